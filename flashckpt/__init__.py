@@ -1,0 +1,39 @@
+"""flashckpt: flash checkpoints and fault tolerance for PyTorch and DeepSpeed training.
+
+    ckpt = Checkpointer("file:///mnt/nvme/ckpt")
+    step0 = ckpt.restore({"model": model, "optim": optimizer})
+    ...
+    ckpt.save(step, {"model": model, "optim": optimizer})
+"""
+
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointNotFoundError,
+    ChecksumError,
+    ConfigError,
+    FlashCkptError,
+    ManifestError,
+    PickleNotAllowedError,
+    RankBusyError,
+    SharedMemoryError,
+    StateMismatchError,
+    TierUnavailableError,
+)
+from .manifest import FORMAT_VERSION
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpointer",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "ConfigError",
+    "FlashCkptError",
+    "ManifestError",
+    "PickleNotAllowedError",
+    "RankBusyError",
+    "SharedMemoryError",
+    "StateMismatchError",
+    "TierUnavailableError",
+]

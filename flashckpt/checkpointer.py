@@ -1,0 +1,277 @@
+"""``Checkpointer``: the two-line integration. Save every step to shared memory; restore at start."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from . import config, cuda
+from .errors import CheckpointNotFoundError, ChecksumError, ConfigError, FlashCkptError
+from .flatten import Layout, Leaf, flatten, plan_layout
+from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
+from .restore import Source, plan, run
+from .sealer import Sealer
+from .slot import HEADER_SIZE, Slot, required_capacity
+from .slots import SlotPair, read_locked
+
+log = logging.getLogger(__name__)
+
+_MANIFEST_HEADROOM = 1 << 20
+
+
+class Checkpointer:
+    """Flash checkpoints of one rank's state.
+
+    ``save(step, state)`` copies the state into a shared-memory slot and returns without
+    touching storage; ``restore(state)`` loads the newest intact snapshot back in place.
+    Arguments win over ``FLASHCKPT_*`` environment variables, which win over defaults.
+    """
+
+    def __init__(
+        self,
+        *tiers: str,
+        job: str | None = None,
+        rank: int | None = None,
+        shm_dir: str | None = None,
+        overlap: bool | None = None,
+        allow_pickle: bool = False,
+        verify: bool = True,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        if tiers:
+            raise ConfigError(
+                f"storage tiers {tiers!r} need the node agent, which this flashckpt does not have "
+                "yet; use Checkpointer() for the memory tier alone"
+            )
+        self.job = config.resolve_job(job)
+        self.rank = config.resolve_rank(rank)
+        self.shm_dir = config.shm_dir(shm_dir)
+        self.overlap = str(config.setting("overlap", overlap, True)).lower() not in ("0", "false", "no")
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        if chunk_size <= 0 or chunk_size % 64:
+            raise ConfigError(f"chunk_size must be a positive multiple of 64, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self.skipped = 0  # snapshots dropped because every slot was held by a reader
+
+        self._pair = SlotPair(self.shm_dir, self.job, self.rank)
+        self._layout: Layout | None = None
+        self._sealer = Sealer()
+        self._prep: Future | None = None
+        self._pending: Future | None = None  # a CUDA snapshot still being copied
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
+        self._copier: cuda.DeviceCopier | None = None
+        self._pinned: dict[int, torch.Tensor] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ---- public API ------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Snapshot ``state`` as ``step``. Returns once the snapshot no longer depends on the
+        caller (CPU tensors) or once the device copies are queued (CUDA, overlapped mode)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        with self._lock:
+            self._check_open()
+            tree, leaves = flatten(state)
+            layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+            manifest = Manifest(
+                self.job, self.rank, step, tree, layout.entries, layout.data_len,
+                chunk_size=self.chunk_size, created_at=time.time(),
+            )  # fmt: skip
+            raw = manifest.to_json()
+            need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
+            self._settle()
+            self._pair.claim()
+            if any(s is None or s.capacity < need for s in self._pair.slots):
+                self._prepare(need + max(_MANIFEST_HEADROOM, len(raw)), leaves)
+            slot = self._pair.acquire_for_write()
+            if slot is None:
+                self.skipped += 1
+                log.warning("step %d not snapshotted: both slots of rank %d are being read", step, self.rank)
+                return
+            self._sealer.cancel(slot)
+            try:
+                slot.begin_write()
+                pairs = [(_dst(slot, e, lf), lf.tensor) for e, lf in zip(layout.entries, leaves)]
+                on_device = [(d, s) for d, s in pairs if s.is_cuda]
+                for dst, src in pairs:
+                    if not src.is_cuda:
+                        dst.copy_(src)
+                if on_device:
+                    done = self._device_copier().copy(on_device, cuda.optimizer_owned(state.values()))
+                    if self.overlap:
+                        self._pending = self._background.submit(self._publish_after, done, slot, manifest, raw)
+                        return
+                self._publish(slot, manifest, raw)
+            except BaseException:
+                self._abandon(slot)
+                raise
+
+    def restore(
+        self, state: Mapping[str, Any], step: int | None = None, *, allow_pickle: bool | None = None
+    ) -> int | None:
+        """Load the newest intact snapshot (or ``step``) into ``state`` in place.
+
+        Returns the step restored, or None if there is none (then ``step`` was not asked).
+        Also readies this rank's slots in the background, so the first ``save()`` that follows
+        costs no more than a steady one.
+        """
+        allow = self.allow_pickle if allow_pickle is None else allow_pickle
+        with self._lock:
+            self._check_open()
+            tree, leaves = flatten(state)
+            layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+            raw = Manifest(self.job, self.rank, 0, tree, layout.entries, layout.data_len).to_json()
+            capacity = required_capacity(layout.data_len, len(raw), layout.n_chunks) + max(
+                _MANIFEST_HEADROOM, len(raw)
+            )
+            self._settle()
+            self._pair.claim()
+            self._pair.check_space(capacity)
+            self._pair.open_existing()
+            restored = self._restore_from_memory(state, step, allow)
+            self._prep = self._background.submit(self._prepare, capacity, leaves)
+        if restored is None and step is not None:
+            raise CheckpointNotFoundError(
+                f"step {step} of job {self.job!r} rank {self.rank} is not in shared memory "
+                f"({self.shm_dir}); call restore() without a step for the newest one"
+            )
+        return restored
+
+    def wait(self, step: int | None = None, tier: str | None = None, timeout: float | None = None) -> int:
+        """Block until a snapshot (the newest, or ``step`` or later) is in shared memory.
+
+        Works from any process of the job that names the same job and rank. Returns the step.
+        """
+        if tier is not None:
+            raise ConfigError(f"tier {tier!r} is not configured; this Checkpointer has the memory tier only")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._check_open()
+            self._settle()
+            self._pair.open_existing()
+        while True:
+            with self._lock:
+                newest = max((s.header().step for s in self._pair.ready()), default=None)
+            if newest is not None and (step is None or newest >= step):
+                return newest
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no snapshot{'' if step is None else f' of step {step}'} of job {self.job!r} "
+                    f"rank {self.rank} in shared memory after {timeout}s (newest: {newest})"
+                )
+            time.sleep(0.005)
+            with self._lock:
+                self._pair.open_existing()
+
+    def close(self) -> None:
+        """Finish the snapshot in flight, stop background work and free this rank's slots."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._settle()
+            finally:
+                self._closed = True
+                self._background.shutdown(wait=True)
+                self._sealer.close()
+                if self._copier is not None:
+                    self._copier.close()
+                for slot in self._pair.slots:
+                    if slot is not None:
+                        self._unpin(slot)
+                self._pair.close(remove=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FlashCkptError("this Checkpointer is closed; create a new one")
+
+    def _settle(self) -> None:
+        """Wait for background preparation and the CUDA snapshot in flight; re-raise errors."""
+        for attr in ("_prep", "_pending"):
+            fut = getattr(self, attr)
+            if fut is not None:
+                setattr(self, attr, None)
+                fut.result()
+
+    def _prepare(self, capacity: int, leaves: list[Leaf]) -> None:
+        for slot in self._pair.slots:
+            if slot is not None and slot.capacity < capacity:
+                self._unpin(slot)
+        self._pair.prepare(capacity)
+        if any(lf.tensor.is_cuda for lf in leaves):
+            for slot in self._pair.slots:
+                self._pin(slot)
+
+    def _pin(self, slot: Slot | None) -> None:
+        if slot is not None and id(slot) not in self._pinned and cuda.host_register(slot.buf):
+            self._pinned[id(slot)] = slot.buf
+
+    def _unpin(self, slot: Slot) -> None:
+        buf = self._pinned.pop(id(slot), None)
+        if buf is not None:
+            cuda.host_unregister(buf)
+
+    def _device_copier(self) -> cuda.DeviceCopier:
+        if self._copier is None:
+            self._copier = cuda.DeviceCopier(self.overlap)
+        return self._copier
+
+    def _publish(self, slot: Slot, manifest: Manifest, raw: bytes) -> None:
+        slot.publish(manifest.step, manifest.data_len, raw, manifest.n_chunks)
+        seq = slot.seq()
+        slot.unlock()
+        self._sealer.release()
+        self._sealer.submit(slot, seq, manifest)
+
+    def _publish_after(self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes) -> None:
+        try:
+            done.synchronize()
+            self._publish(slot, manifest, raw)
+        except BaseException:
+            self._abandon(slot)
+            raise
+
+    def _abandon(self, slot: Slot) -> None:
+        """A write that failed leaves the slot WRITING (never readable) and unlocked."""
+        slot.unlock()
+        self._sealer.release()
+
+    def _restore_from_memory(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
+        for slot in self._pair.ready():
+            with read_locked(slot) as snap:
+                if snap is None or (step is not None and snap.step != step):
+                    continue
+                producer = plan(snap.manifest, state, allow)
+                source = Source(slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify)
+                try:
+                    run(producer, source)
+                except ChecksumError as exc:
+                    log.warning("%s; trying an older snapshot", exc)
+                    continue
+                if snap.intact():
+                    log.info("restored step %d of rank %d from %s", snap.step, self.rank, slot.path)
+                    return snap.step
+        return None
+
+
+def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:
+    """The slot bytes of ``entry``, viewed with the leaf's dtype and shape."""
+    start = HEADER_SIZE + entry.offset
+    raw = slot.buf[start : start + entry.nbytes]
+    return raw.view(leaf.tensor.dtype).view(leaf.tensor.shape)
+

@@ -1,0 +1,43 @@
+"""Exceptions raised by flashckpt. Each subclasses the built-in a caller would catch."""
+
+from __future__ import annotations
+
+
+class FlashCkptError(Exception):
+    """Base of every flashckpt error."""
+
+
+class CheckpointNotFoundError(FlashCkptError, FileNotFoundError):
+    """No snapshot of the asked step (or none at all) exists where it was looked for."""
+
+
+class ManifestError(FlashCkptError, ValueError):
+    """A manifest is malformed, from a newer format, or does not describe its data."""
+
+
+class ChecksumError(FlashCkptError, ValueError):
+    """Stored bytes do not match the checksum recorded when they were written."""
+
+
+class StateMismatchError(FlashCkptError, ValueError):
+    """The snapshot and the state being restored into differ in keys, shapes or dtypes."""
+
+
+class PickleNotAllowedError(FlashCkptError, ValueError):
+    """A snapshot entry is pickled and restoring it was not allowed."""
+
+
+class SharedMemoryError(FlashCkptError, OSError):
+    """Shared memory for snapshot slots cannot be had (too small, not writable)."""
+
+
+class TierUnavailableError(FlashCkptError, OSError):
+    """A storage tier cannot be reached or written (network, permission, disk full)."""
+
+
+class ConfigError(FlashCkptError, ValueError):
+    """An argument or environment variable has a value flashckpt cannot use."""
+
+
+class RankBusyError(FlashCkptError, RuntimeError):
+    """Another live process already saves for this job and rank."""

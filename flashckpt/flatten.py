@@ -1,0 +1,158 @@
+"""Turn a user's state into a JSON tree plus a flat list of arrays, and lay them out in bytes."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .manifest import Entry, ShardInfo, dtype_name, encode_scalar
+from .slot import align
+
+try:  # DTensor is public from torch 2.4 on; older builds simply have none to flatten
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()``/``load_state_dict()``: modules, optimizers, schedulers."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(value: Any) -> bool:
+    return not isinstance(value, (torch.Tensor, Mapping)) and isinstance(value, Stateful)
+
+
+@dataclass
+class Leaf:
+    """An array to store: its path, kind, the source tensor and DTensor shard info."""
+
+    path: str
+    kind: str  # "tensor" | "ndarray" | "pickle"
+    tensor: torch.Tensor
+    shard: ShardInfo | None = None
+
+
+def join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _shard_info(t: Any) -> ShardInfo:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return ShardInfo(
+        global_shape=tuple(t.shape),
+        global_offset=tuple(int(o) for o in offset),
+        placements=tuple(str(p) for p in t.placements),
+        mesh_shape=tuple(t.device_mesh.shape),
+    )
+
+
+def tensor_source(t: torch.Tensor, path: str) -> tuple[torch.Tensor, ShardInfo | None]:
+    """The plain tensor whose bytes represent ``t`` on this rank, and its shard info."""
+    shard = None
+    if DTensor is not None and isinstance(t, DTensor):
+        shard = _shard_info(t)
+        t = t.to_local()
+    if t.layout != torch.strided:
+        raise TypeError(f"{path}: tensors of layout {t.layout} are not supported; densify them first")
+    if t.is_quantized or t.is_meta:
+        raise TypeError(f"{path}: {'quantized' if t.is_quantized else 'meta'} tensors cannot be saved")
+    return t.detach(), shard
+
+
+class Flattener:
+    """Walks a state once, producing the manifest tree and the leaves to copy."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+
+    def _leaf(self, kind: str, path: str, tensor: torch.Tensor, shard: ShardInfo | None = None) -> dict:
+        self.leaves.append(Leaf(path, kind, tensor, shard))
+        return {"t": kind, "i": len(self.leaves) - 1}
+
+    def node(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            source, shard = tensor_source(value, path)
+            return self._leaf("tensor", path, source, shard)
+        if isinstance(value, np.ndarray) and value.dtype.hasobject is False:
+            return self._leaf("ndarray", path, torch.from_numpy(np.ascontiguousarray(value)))
+        if isinstance(value, Mapping):
+            return {
+                "t": "dict",
+                "items": [[self.key(k, path), self.node(v, join(path, k))] for k, v in value.items()],
+            }
+        if isinstance(value, list):
+            return {"t": "list", "items": [self.node(v, join(path, i)) for i, v in enumerate(value)]}
+        if type(value) is tuple:
+            return {"t": "tuple", "items": [self.node(v, join(path, i)) for i, v in enumerate(value)]}
+        if is_stateful(value):
+            return {"t": "stateful", "v": self.node(value.state_dict(), path)}
+        try:
+            return encode_scalar(value)
+        except TypeError:
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            return self._leaf("pickle", path, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+
+    def key(self, key: Any, path: str) -> Any:
+        if type(key) is tuple:
+            return {"t": "tuple", "items": [self.key(k, path) for k in key]}
+        try:
+            return encode_scalar(key)
+        except TypeError:
+            raise TypeError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be saved") from None
+
+
+def flatten(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
+    f = Flattener()
+    tree = f.node(state, "")
+    return tree, f.leaves
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of every leaf in a slot's data region, for one state structure."""
+
+    signature: tuple
+    entries: tuple[Entry, ...]
+    data_len: int
+    n_chunks: int
+
+
+def signature(leaves: list[Leaf]) -> tuple:
+    return tuple(
+        (lf.path, lf.kind, lf.tensor.dtype, tuple(lf.tensor.shape), lf.tensor.device.type, lf.shard)
+        for lf in leaves
+    )
+
+
+def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = None) -> Layout:
+    """Offsets for ``leaves``; ``cached`` is returned as is while the structure is unchanged."""
+    sig = signature(leaves)
+    if cached is not None and cached.signature == sig:
+        return cached
+    entries = []
+    offset = chunk = 0
+    for lf in leaves:
+        t = lf.tensor
+        nbytes = t.numel() * t.element_size()
+        entry = Entry(
+            path=lf.path, kind=lf.kind, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+            offset=offset, nbytes=nbytes, first_chunk=chunk, shard=lf.shard, device=t.device.type,
+        )  # fmt: skip
+        entries.append(entry)
+        chunk += entry.n_chunks(chunk_size)
+        offset = align(offset + nbytes)
+    return Layout(sig, tuple(entries), offset, chunk)

@@ -1,0 +1,270 @@
+"""Load a snapshot into a live state, in place.
+
+Two phases: ``plan`` walks the snapshot's tree next to the target state and records every
+mismatch (keys, shapes, dtypes, pickled entries not allowed) without touching anything; only
+if there is none does ``run`` copy the bytes, verifying each entry's checksums first.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checksum import verify_entry
+from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
+from .flatten import DTensor, is_stateful, join, tensor_source
+from .manifest import Entry, Manifest, decode_scalar, dtype_from_name
+
+Producer = Callable[["Source"], Any]
+MAX_LISTED = 10
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    path: str
+    kind: str  # missing | unexpected | shape | dtype | type | length | shard
+    detail: str
+
+
+@dataclass
+class Source:
+    """The bytes of one rank's snapshot, wherever they are (a slot, a file, a buffer)."""
+
+    data: torch.Tensor  # uint8, the whole data region
+    where: str
+    verify: bool = True
+
+    def view(self, entry: Entry, chunk_size: int) -> torch.Tensor:
+        if self.verify:
+            verify_entry(memoryview(self.data.numpy()), entry, chunk_size, self.where)
+        raw = self.data[entry.offset : entry.offset + entry.nbytes]
+        return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
+
+
+def _decode_key(node: Any) -> Any:
+    if isinstance(node, dict):
+        if node.get("t") == "tuple":
+            return tuple(_decode_key(k) for k in node["items"])
+        return decode_scalar(node)
+    return node
+
+
+class Planner:
+    def __init__(self, manifest: Manifest, allow_pickle: bool):
+        self.m = manifest
+        self.allow_pickle = allow_pickle
+        self.mismatches: list[Mismatch] = []
+        self.pickled: list[str] = []
+        self.replaced = 0  # leaves that are not in-place tensor copies
+
+    def entry(self, node: dict) -> Entry:
+        try:
+            return self.m.entries[node["i"]]
+        except (KeyError, IndexError, TypeError):
+            raise ManifestError(f"tree node {node!r} names no entry of the manifest") from None
+
+    # ---- values with no target: build them from the snapshot -------------------------
+    def fresh(self, node: Any, path: str) -> Producer:
+        self.replaced += 1
+        if not isinstance(node, dict):
+            return lambda src: node
+        tag = node.get("t")
+        cs = self.m.chunk_size
+        if tag == "tensor":
+            e = self.entry(node)
+            return lambda src: src.view(e, cs).clone()
+        if tag == "ndarray":
+            e = self.entry(node)
+            return lambda src: src.view(e, cs).numpy().copy()
+        if tag == "pickle":
+            e = self.entry(node)
+            if not self.allow_pickle:
+                self.pickled.append(e.path)
+            return lambda src: pickle.loads(src.view(e, cs).numpy().tobytes())  # noqa: S301
+        if tag == "dict":
+            items = [(_decode_key(k), self.fresh(v, join(path, _decode_key(k)))) for k, v in node["items"]]
+            return lambda src: {k: p(src) for k, p in items}
+        if tag in ("list", "tuple"):
+            kids = [self.fresh(v, join(path, i)) for i, v in enumerate(node["items"])]
+            kind = list if tag == "list" else tuple
+            return lambda src: kind(p(src) for p in kids)
+        if tag == "stateful":
+            return self.fresh(node["v"], path)
+        value = decode_scalar(node)
+        return lambda src: value
+
+    # ---- values with a target: match and fill in place -------------------------------
+    def match(self, node: Any, target: Any, path: str, lenient: bool) -> Producer:
+        tag = node.get("t") if isinstance(node, dict) else None
+        if tag == "stateful" or is_stateful(target):
+            return self._stateful(node, target, path, lenient)
+        if tag == "tensor" and isinstance(target, torch.Tensor):
+            return self._tensor(self.entry(node), target, path)
+        if tag == "ndarray" and isinstance(target, np.ndarray):
+            return self._ndarray(self.entry(node), target, path, lenient)
+        if tag == "dict" and isinstance(target, Mapping):
+            return self._dict(node, target, path, lenient)
+        if tag in ("list", "tuple") and isinstance(target, (list, tuple)):
+            return self._sequence(node, target, path, lenient)
+        # A scalar in the state is a value the snapshot replaces; tensors and containers are
+        # structure the snapshot must match.
+        if not lenient and isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
+            self.mismatches.append(
+                Mismatch(path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state")
+            )
+        return self.fresh(node, path)
+
+    def _stateful(self, node: Any, target: Any, path: str, lenient: bool) -> Producer:
+        if not (isinstance(node, dict) and node.get("t") == "stateful") or not is_stateful(target):
+            self.mismatches.append(
+                Mismatch(path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state")
+            )
+            return lambda src: target
+        template = target.state_dict()
+        # A module's keys are its contract; an optimizer fills its state lazily, so a fresh one
+        # has none of the keys the snapshot holds and its own load_state_dict judges them.
+        strict = isinstance(target, torch.nn.Module)
+        before = self.replaced
+        inner = self.match(node["v"], template, path, lenient=not strict)
+        needs_load = not strict or self.replaced != before
+
+        def produce(src: Source) -> Any:
+            sd = inner(src)
+            if needs_load:
+                target.load_state_dict(sd)
+            return target
+
+        return produce
+
+    def _tensor(self, e: Entry, target: torch.Tensor, path: str) -> Producer:
+        local, shard = tensor_source(target, path)
+        if e.kind != "tensor":
+            self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
+        if e.dtype != str(local.dtype).removeprefix("torch."):
+            self.mismatches.append(Mismatch(path, "dtype", f"{e.dtype} in snapshot, {local.dtype} in state"))
+        if tuple(e.shape) != tuple(local.shape):
+            self.mismatches.append(
+                Mismatch(path, "shape", f"{tuple(e.shape)} in snapshot, {tuple(local.shape)} in state")
+            )
+        if shard is not None and e.shard is not None and shard != e.shard:
+            self.mismatches.append(
+                Mismatch(path, "shard", f"saved as {e.shard}, restoring as {shard}; resharding is not supported")
+            )
+        cs = self.m.chunk_size
+        dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
+
+        def produce(src: Source) -> Any:
+            dst.copy_(src.view(e, cs))
+            return target
+
+        return produce
+
+    def _ndarray(self, e: Entry, target: np.ndarray, path: str, lenient: bool) -> Producer:
+        if tuple(target.shape) != tuple(e.shape) or not target.flags.writeable:
+            return self.fresh({"t": "ndarray", "i": self.m.entries.index(e)}, path)
+        cs = self.m.chunk_size
+
+        def produce(src: Source) -> Any:
+            np.copyto(target, src.view(e, cs).numpy(), casting="no")
+            return target
+
+        if torch.from_numpy(target[:0].copy()).dtype != dtype_from_name(e.dtype):
+            self.mismatches.append(Mismatch(path, "dtype", f"{e.dtype} in snapshot, {target.dtype} in state"))
+        return produce
+
+    def _dict(self, node: dict, target: Mapping, path: str, lenient: bool) -> Producer:
+        items = []
+        seen = set()
+        for knode, vnode in node["items"]:
+            key = _decode_key(knode)
+            seen.add(key)
+            sub = join(path, key)
+            if key in target:
+                items.append((key, self.match(vnode, target[key], sub, lenient)))
+            elif lenient:
+                items.append((key, self.fresh(vnode, sub)))
+            else:
+                self.mismatches.append(Mismatch(sub, "unexpected", "in snapshot, not in state"))
+        for key in target:
+            if key not in seen:
+                self.mismatches.append(Mismatch(join(path, key), "missing", "in state, not in snapshot"))
+
+        def produce(src: Source) -> Any:
+            values = {k: p(src) for k, p in items}
+            if isinstance(target, dict):
+                target.update(values)
+                return target
+            return type(target)(values)
+
+        return produce
+
+    def _sequence(self, node: dict, target: list | tuple, path: str, lenient: bool) -> Producer:
+        snap = node["items"]
+        if len(snap) != len(target):
+            if not lenient:
+                self.mismatches.append(
+                    Mismatch(path, "length", f"{len(snap)} items in snapshot, {len(target)} in state")
+                )
+            return self.fresh(node, path)
+        kids = [self.match(v, t, join(path, i), lenient) for i, (v, t) in enumerate(zip(snap, target))]
+        as_tuple = node["t"] == "tuple"
+
+        def produce(src: Source) -> Any:
+            values = [p(src) for p in kids]
+            if as_tuple:
+                return tuple(values)
+            if isinstance(target, list):
+                target[:] = values
+                return target
+            return values
+
+        return produce
+
+
+def _kind(node: Any) -> str:
+    if isinstance(node, dict):
+        return node.get("t", "object")
+    return type(node).__name__
+
+
+def plan(manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool) -> Producer:
+    """Check ``state`` against ``manifest``; raise listing every problem, or return the loader."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
+    planner = Planner(manifest, allow_pickle)
+    producer = planner.match(manifest.tree, state, "", lenient=False)
+    where = f"snapshot of step {manifest.step} (job {manifest.job}, rank {manifest.rank})"
+    if planner.mismatches:
+        raise StateMismatchError(_describe(planner.mismatches, where))
+    if planner.pickled:
+        shown = ", ".join(repr(p) for p in planner.pickled[:MAX_LISTED])
+        more = f" and {len(planner.pickled) - MAX_LISTED} more" if len(planner.pickled) > MAX_LISTED else ""
+        raise PickleNotAllowedError(
+            f"{where} holds pickled entries: {shown}{more}. Unpickling runs code from the snapshot; "
+            "if you trust it, pass allow_pickle=True"
+        )
+    return producer
+
+
+def run(producer: Producer, source: Source) -> None:
+    with torch.no_grad():
+        producer(source)
+
+
+def _describe(mismatches: list[Mismatch], where: str) -> str:
+    counts = Counter(m.kind for m in mismatches)
+    summary = ", ".join(f"{n} {k}" for k, n in counts.most_common())
+    lines = [f"  {m.path or '<root>'}: {m.kind}: {m.detail}" for m in mismatches[:MAX_LISTED]]
+    if len(mismatches) > MAX_LISTED:
+        lines.append(f"  ... and {len(mismatches) - MAX_LISTED} more")
+    return (
+        f"{where} does not match the state to restore into: {len(mismatches)} mismatches "
+        f"({summary}):\n" + "\n".join(lines) + "\nNothing was loaded. Build the model and optimizer "
+        "the same way as the run that saved, or restore into a matching state."
+    )

@@ -1,0 +1,85 @@
+"""Background thread that seals published slots with their chunk checksums.
+
+Checksumming a snapshot costs about as much as copying it, so it runs after ``save()`` has
+returned. A slot the trainer wants to overwrite is unsealed work thrown away: the writer
+cancels it first, which costs at most one chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from .checksum import chunk_checksums
+from .manifest import Manifest
+from .slot import Slot
+
+log = logging.getLogger(__name__)
+
+
+class Sealer:
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Slot, int, Manifest] | None] = queue.Queue()
+        self._busy_lock = threading.Lock()
+        self._busy: Slot | None = None
+        self._blocked: Slot | None = None  # the slot the writer owns right now
+        self._cancel = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="flashckpt-sealer", daemon=True)
+        self._thread.start()
+
+    def submit(self, slot: Slot, seq: int, manifest: Manifest) -> None:
+        self._idle.clear()
+        self._queue.put((slot, seq, manifest))
+
+    def cancel(self, slot: Slot) -> None:
+        """Stop (or skip) sealing ``slot`` until ``release``; returns once it is untouched."""
+        with self._busy_lock:
+            self._blocked = slot
+            if self._busy is slot:
+                self._cancel.set()
+        while True:
+            with self._busy_lock:
+                if self._busy is not slot:
+                    return
+            self._idle.wait(0.001)
+
+    def release(self) -> None:
+        with self._busy_lock:
+            self._blocked = None
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted slot is sealed (or skipped)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            if self._queue.empty():
+                self._idle.set()
+            item = self._queue.get()
+            if item is None:
+                self._idle.set()
+                return
+            slot, seq, manifest = item
+            with self._busy_lock:
+                if slot is self._blocked or slot.seq() != seq:  # overwritten meanwhile
+                    continue
+                self._busy = slot
+                self._cancel.clear()
+            try:
+                h = slot.header()
+                sums = chunk_checksums(slot.data(h), manifest.entries, manifest.chunk_size, self._cancel)
+                with self._busy_lock:
+                    if sums is not None and slot is not self._blocked and slot.seq() == seq:
+                        slot.write_checksums(sums)
+            except Exception:  # sealing is best effort: an unsealed slot is still a snapshot
+                log.exception("sealing %s failed", slot.path)
+            finally:
+                with self._busy_lock:
+                    self._busy = None

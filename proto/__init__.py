@@ -1,0 +1,1 @@
+"""See DESIGN: part of flashckpt."""
