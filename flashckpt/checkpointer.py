@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from . import config, cuda
+from . import config, cuda, group
 from .errors import CheckpointNotFoundError, ChecksumError, ConfigError, FlashCkptError
-from .flatten import Layout, Leaf, flatten, plan_layout
+from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .restore import Source, plan, run
 from .sealer import Sealer
@@ -103,7 +103,7 @@ class Checkpointer:
                 on_device = [(d, s) for d, s in pairs if s.is_cuda]
                 for dst, src in pairs:
                     if not src.is_cuda:
-                        dst.copy_(src)
+                        copy_into(dst, src)
                 if on_device:
                     done = self._device_copier().copy(on_device, cuda.optimizer_owned(state.values()))
                     if self.overlap:
@@ -252,21 +252,35 @@ class Checkpointer:
         self._sealer.release()
 
     def _restore_from_memory(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
+        """Restore the newest step every rank holds in memory; all ranks load the same one."""
+        held = {s.header().step for s in self._pair.ready()}
+        while True:
+            choice = group.newest_common(held) if step is None else step
+            if choice is None:
+                return None
+            ok = self._load_step(state, choice, allow)
+            if group.all_true(ok):
+                return choice
+            if step is not None:
+                return None
+            held.discard(choice)
+
+    def _load_step(self, state: Mapping[str, Any], step: int, allow: bool) -> bool:
         for slot in self._pair.ready():
             with read_locked(slot) as snap:
-                if snap is None or (step is not None and snap.step != step):
+                if snap is None or snap.step != step:
                     continue
                 producer = plan(snap.manifest, state, allow)
                 source = Source(slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify)
                 try:
                     run(producer, source)
                 except ChecksumError as exc:
-                    log.warning("%s; trying an older snapshot", exc)
+                    log.warning("%s", exc)
                     continue
                 if snap.intact():
-                    log.info("restored step %d of rank %d from %s", snap.step, self.rank, slot.path)
-                    return snap.step
-        return None
+                    log.info("restored step %d of rank %d from %s", step, self.rank, slot.path)
+                    return True
+        return False
 
 
 def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:
@@ -274,4 +288,3 @@ def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:
     start = HEADER_SIZE + entry.offset
     raw = slot.buf[start : start + entry.nbytes]
     return raw.view(leaf.tensor.dtype).view(leaf.tensor.shape)
-

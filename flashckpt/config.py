@@ -38,7 +38,9 @@ def setting(name: str, explicit: object = None, default: object = None) -> objec
 
 
 def resolve_job(job: str | None) -> str:
-    value = setting("job", job) or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    if job is not None:
+        return validate_name("job", job)
+    value = setting("job") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
     return validate_name("job", str(value))
 
 

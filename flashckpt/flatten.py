@@ -156,3 +156,19 @@ def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = Non
         chunk += entry.n_chunks(chunk_size)
         offset = align(offset + nbytes)
     return Layout(sig, tuple(entries), offset, chunk)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shape, same-dtype tensors, as a byte copy when it can be.
+
+    Bytes need no per-dtype kernel (sub-byte and bit dtypes have none) and copy at memcpy
+    speed; strided sources and lazily conjugated/negated views take the typed path.
+    """
+    if (
+        src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not src.is_neg()
+        and src.device.type == dst.device.type == "cpu"
+    ):  # fmt: skip
+        if src.numel():
+            dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+    else:
+        dst.copy_(src)

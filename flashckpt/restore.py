@@ -18,7 +18,7 @@ import torch
 
 from .checksum import verify_entry
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
-from .flatten import DTensor, is_stateful, join, tensor_source
+from .flatten import DTensor, copy_into, is_stateful, join, tensor_source
 from .manifest import Entry, Manifest, decode_scalar, dtype_from_name
 
 Producer = Callable[["Source"], Any]
@@ -160,7 +160,7 @@ class Planner:
         dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
 
         def produce(src: Source) -> Any:
-            dst.copy_(src.view(e, cs))
+            copy_into(dst, src.view(e, cs))
             return target
 
         return produce

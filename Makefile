@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   # fault-tolerant training demo (CPU, local directory tier, agent auto-started)
+#   make test   # the whole test suite (what .ci/run runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flashckpt-installed
+# Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS ?=
+
+.PHONY: setup demo test lint proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The pinned CPU build first: a bare torch requirement would pull the CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/snapshot.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shm_dir(monkeypatch) -> Path:
+    """A private shared-memory directory for this test, removed afterwards."""
+    path = Path("/dev/shm") / f"flashckpt-test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("FLASHCKPT_SHM_DIR", str(path))
+    monkeypatch.delenv("FLASHCKPT_JOB", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_python(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a new trainer process); fail loudly on error."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc

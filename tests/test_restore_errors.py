@@ -1,0 +1,84 @@
+"""Bad inputs get clear errors that list what is wrong, and load nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from states import tiny_model
+
+from flashckpt import (
+    Checkpointer,
+    CheckpointNotFoundError,
+    ConfigError,
+    ManifestError,
+    StateMismatchError,
+)
+from flashckpt.manifest import Manifest
+
+
+def test_wrong_shape_model_lists_mismatches_and_loads_nothing(shm_dir):
+    with Checkpointer(job="shape") as ck:
+        ck.save(1, {"model": tiny_model()})
+        wide = torch.nn.Sequential(
+            torch.nn.Linear(16, 48), torch.nn.LayerNorm(48), torch.nn.ReLU(), torch.nn.Linear(48, 4)
+        )
+        before = {k: v.clone() for k, v in wide.state_dict().items()}
+        with pytest.raises(StateMismatchError) as err:
+            ck.restore({"model": wide})
+        msg = str(err.value)
+        assert "5 mismatches (5 shape)" in msg
+        assert "model/0.weight: shape: (32, 16) in snapshot, (48, 16) in state" in msg
+        assert "model/3.weight" in msg and "Nothing was loaded" in msg
+        assert all(torch.equal(before[k], v) for k, v in wide.state_dict().items())
+
+
+def test_missing_unexpected_and_dtype_are_listed(shm_dir):
+    with Checkpointer(job="keys") as ck:
+        ck.save(1, {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2, dtype=torch.int32)})
+        with pytest.raises(StateMismatchError) as err:
+            ck.restore({"a": torch.zeros(2), "c": torch.zeros(2), "d": torch.zeros(2)})
+        msg = str(err.value)
+        assert "b: unexpected: in snapshot, not in state" in msg
+        assert "d: missing: in state, not in snapshot" in msg
+        assert "c: dtype: int32 in snapshot, torch.float32 in state" in msg
+
+
+def test_long_mismatch_lists_are_cut_with_counts(shm_dir):
+    with Checkpointer(job="many") as ck:
+        ck.save(1, {f"t{i}": torch.zeros(2) for i in range(25)})
+        with pytest.raises(StateMismatchError, match=r"25 mismatches \(25 shape\)[\s\S]*and 15 more"):
+            ck.restore({f"t{i}": torch.zeros(3) for i in range(25)})
+
+
+def test_nothing_saved_and_unknown_step(shm_dir):
+    with Checkpointer(job="none") as ck:
+        assert ck.restore({"a": torch.zeros(1)}) is None
+        ck.save(4, {"a": torch.ones(1)})
+        with pytest.raises(CheckpointNotFoundError, match="step 9 .* not in shared memory"):
+            ck.restore({"a": torch.zeros(1)}, step=9)
+
+
+def test_newer_manifest_format_is_refused():
+    m = Manifest("j", 0, 1, {"t": "dict", "items": []}, (), 0)
+    doc = json.loads(m.to_json())
+    doc["format_version"] = 99
+    with pytest.raises(ManifestError, match="format_version 99, newer than the 1 .* upgrade flashckpt"):
+        Manifest.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize("bad", ["../escape", "a/b", "", ".", "x" * 200])
+def test_job_names_cannot_escape(shm_dir, bad):
+    with pytest.raises(ConfigError, match="job name"):
+        Checkpointer(job=bad)
+
+
+def test_bad_steps_and_states(shm_dir):
+    with Checkpointer(job="bad") as ck:
+        with pytest.raises(ConfigError, match="step must be a non-negative int"):
+            ck.save(-1, {"a": torch.zeros(1)})
+        with pytest.raises(TypeError, match="state must be a dict"):
+            ck.save(1, [torch.zeros(1)])
+        with pytest.raises(TypeError, match="sparse|layout"):
+            ck.save(1, {"s": torch.zeros(3, 3).to_sparse()})

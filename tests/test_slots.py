@@ -1,0 +1,112 @@
+"""The slot protocol: reuse, alternation, growth, readers, ownership, clean-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import run_python
+
+from flashckpt import Checkpointer, RankBusyError
+from flashckpt.slot import Slot, SlotState
+
+
+def headers(ck):
+    return [s.header() for s in ck._pair.slots]
+
+
+def test_slots_alternate_and_are_reused(shm_dir):
+    t = torch.arange(1000, dtype=torch.float32)
+    with Checkpointer(job="alt") as ck:
+        ck.restore({"t": t})  # readies the slots off the save path
+        ck._prep.result()
+        inodes = [os.stat(p).st_ino for p in ck._pair.paths]
+        layout = None
+        for step in range(6):
+            t.fill_(step)
+            ck.save(step, {"t": t})
+            assert layout is None or ck._layout is layout  # plan cached while structure holds
+            layout = ck._layout
+        steps = sorted(h.step for h in headers(ck))
+        assert steps == [4, 5] and all(h.state == SlotState.READY for h in headers(ck))
+        assert [os.stat(p).st_ino for p in ck._pair.paths] == inodes
+        assert len(os.listdir(shm_dir / "alt")) == 3  # two slots and the owner lock
+    assert not (shm_dir / "alt").exists()  # close() frees the memory
+
+
+def test_growth_when_state_grows(shm_dir):
+    with Checkpointer(job="grow") as ck:
+        ck.save(1, {"t": torch.zeros(10)})
+        small = ck._pair.slots[0].capacity
+        big = torch.arange(3_000_000, dtype=torch.float32)
+        ck.save(2, {"t": big})
+        ck.save(3, {"t": big * 2})
+        assert min(s.capacity for s in ck._pair.slots) > small
+        out = {"t": torch.zeros(3_000_000)}
+        assert ck.restore(out) == 3 and torch.equal(out["t"], big * 2)
+
+
+def test_writer_never_overwrites_a_slot_being_read(shm_dir):
+    with Checkpointer(job="rd") as ck:
+        ck.save(1, {"t": torch.ones(4)})
+        ck.save(2, {"t": torch.ones(4) * 2})
+        held = next(s for s in ck._pair.slots if s.header().step == 1)
+        reader = Slot.open_readonly(held.path)  # a reader (the agent) holds the older slot
+        assert reader.try_lock(exclusive=False)
+        for step in (3, 4):
+            ck.save(step, {"t": torch.ones(4) * step})
+        assert held.header().step == 1
+        assert sorted(h.step for h in headers(ck)) == [1, 4]
+        other = Slot.open_readonly(next(s for s in ck._pair.slots if s is not held).path)
+        assert other.try_lock(exclusive=False)  # now both are held: the snapshot is dropped
+        ck.save(5, {"t": torch.ones(4) * 5})
+        assert ck.skipped == 1 and sorted(h.step for h in headers(ck)) == [1, 4]
+        reader.close()  # closing drops the lock, as a reader's death would
+        other.close()
+        ck.save(6, {"t": torch.ones(4) * 6})
+        assert sorted(h.step for h in headers(ck)) == [4, 6]
+
+
+def test_second_live_writer_for_a_rank_is_refused(shm_dir):
+    with Checkpointer(job="busy") as ck:
+        ck.save(1, {"t": torch.ones(1)})
+        code = (
+            "import torch; from flashckpt import Checkpointer, RankBusyError\n"
+            "try:\n    Checkpointer(job='busy').save(2, {'t': torch.ones(1)})\n"
+            "except RankBusyError as e:\n    print('refused:', e)\n"
+        )
+        out = run_python(code)
+        assert f"already saving from pid {os.getpid()}" in out.stdout
+    with pytest.raises(RankBusyError):
+        a = Checkpointer(job="busy2")
+        a.save(1, {"t": torch.ones(1)})
+        Checkpointer(job="busy2").save(1, {"t": torch.ones(1)})
+
+
+def test_wait_from_another_process(shm_dir):
+    with Checkpointer(job="w") as ck:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "from flashckpt import Checkpointer; print(Checkpointer(job='w').wait(7, timeout=30))"],
+            stdout=subprocess.PIPE, text=True, env=os.environ,
+        )  # fmt: skip
+        for step in range(8):
+            ck.save(step, {"t": torch.ones(2) * step})
+        assert child.communicate(timeout=60)[0].strip() == "7"
+        with pytest.raises(TimeoutError, match="no snapshot of step 99"):
+            ck.wait(99, timeout=0.1)
+
+
+def test_corrupt_snapshot_falls_back_to_the_older_one(shm_dir, caplog):
+    with Checkpointer(job="crc") as ck:
+        ck.save(1, {"t": torch.ones(1000)})
+        ck.save(2, {"t": torch.ones(1000) * 2})
+        ck._sealer.drain(10)
+        newest = next(s for s in ck._pair.slots if s.header().step == 2)
+        assert newest.header().sealed
+        newest.buf[4096 + 10] ^= 0xFF  # flip a byte of step 2's data
+        out = {"t": torch.zeros(1000)}
+        assert ck.restore(out) == 1 and torch.equal(out["t"], torch.ones(1000))
+        assert "crc32c" in caplog.text and "corrupt" in caplog.text
