@@ -1,9 +1,9 @@
 """flashckpt: flash checkpoints and fault tolerance for PyTorch and DeepSpeed training.
 
-    ckpt = Checkpointer("file:///mnt/nvme/ckpt")
-    step0 = ckpt.restore({"model": model, "optim": optimizer})
-    ...
-    ckpt.save(step, {"model": model, "optim": optimizer})
+ckpt = Checkpointer("file:///mnt/nvme/ckpt")
+step0 = ckpt.restore({"model": model, "optim": optimizer})
+...
+ckpt.save(step, {"model": model, "optim": optimizer})
 """
 
 from .checkpointer import Checkpointer

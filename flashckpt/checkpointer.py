@@ -52,7 +52,11 @@ class Checkpointer:
         self.job = config.resolve_job(job)
         self.rank = config.resolve_rank(rank)
         self.shm_dir = config.shm_dir(shm_dir)
-        self.overlap = str(config.setting("overlap", overlap, True)).lower() not in ("0", "false", "no")
+        self.overlap = str(config.setting("overlap", overlap, True)).lower() not in (
+            "0",
+            "false",
+            "no",
+        )
         self.allow_pickle = allow_pickle
         self.verify = verify
         if chunk_size <= 0 or chunk_size % 64:
@@ -94,20 +98,29 @@ class Checkpointer:
             slot = self._pair.acquire_for_write()
             if slot is None:
                 self.skipped += 1
-                log.warning("step %d not snapshotted: both slots of rank %d are being read", step, self.rank)
+                log.warning(
+                    "step %d not snapshotted: both slots of rank %d are being read", step, self.rank
+                )
                 return
             self._sealer.cancel(slot)
             try:
                 slot.begin_write()
-                pairs = [(_dst(slot, e, lf), lf.tensor) for e, lf in zip(layout.entries, leaves)]
+                pairs = [
+                    (_dst(slot, e, lf), lf.tensor)
+                    for e, lf in zip(layout.entries, leaves, strict=True)
+                ]
                 on_device = [(d, s) for d, s in pairs if s.is_cuda]
                 for dst, src in pairs:
                     if not src.is_cuda:
                         copy_into(dst, src)
                 if on_device:
-                    done = self._device_copier().copy(on_device, cuda.optimizer_owned(state.values()))
+                    done = self._device_copier().copy(
+                        on_device, cuda.optimizer_owned(state.values())
+                    )
                     if self.overlap:
-                        self._pending = self._background.submit(self._publish_after, done, slot, manifest, raw)
+                        self._pending = self._background.submit(
+                            self._publish_after, done, slot, manifest, raw
+                        )
                         return
                 self._publish(slot, manifest, raw)
             except BaseException:
@@ -145,13 +158,17 @@ class Checkpointer:
             )
         return restored
 
-    def wait(self, step: int | None = None, tier: str | None = None, timeout: float | None = None) -> int:
+    def wait(
+        self, step: int | None = None, tier: str | None = None, timeout: float | None = None
+    ) -> int:
         """Block until a snapshot (the newest, or ``step`` or later) is in shared memory.
 
         Works from any process of the job that names the same job and rank. Returns the step.
         """
         if tier is not None:
-            raise ConfigError(f"tier {tier!r} is not configured; this Checkpointer has the memory tier only")
+            raise ConfigError(
+                f"tier {tier!r} is not configured; this Checkpointer has the memory tier only"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._check_open()
@@ -238,7 +255,9 @@ class Checkpointer:
         self._sealer.release()
         self._sealer.submit(slot, seq, manifest)
 
-    def _publish_after(self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes) -> None:
+    def _publish_after(
+        self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes
+    ) -> None:
         try:
             done.synchronize()
             self._publish(slot, manifest, raw)
@@ -251,7 +270,9 @@ class Checkpointer:
         slot.unlock()
         self._sealer.release()
 
-    def _restore_from_memory(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
+    def _restore_from_memory(
+        self, state: Mapping[str, Any], step: int | None, allow: bool
+    ) -> int | None:
         """Restore the newest step every rank holds in memory; all ranks load the same one."""
         held = {s.header().step for s in self._pair.ready()}
         while True:
@@ -271,7 +292,9 @@ class Checkpointer:
                 if snap is None or snap.step != step:
                     continue
                 producer = plan(snap.manifest, state, allow)
-                source = Source(slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify)
+                source = Source(
+                    slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify
+                )
                 try:
                     run(producer, source)
                 except ChecksumError as exc:

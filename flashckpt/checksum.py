@@ -19,7 +19,10 @@ def crc(data: memoryview | bytes, value: int = 0) -> int:
 
 
 def chunk_checksums(
-    data: memoryview, entries: Iterable[Entry], chunk_size: int, cancel: threading.Event | None = None
+    data: memoryview,
+    entries: Iterable[Entry],
+    chunk_size: int,
+    cancel: threading.Event | None = None,
 ) -> list[int] | None:
     """Checksums of every chunk of every entry, in manifest order; None if cancelled."""
     out: list[int] = []

@@ -31,7 +31,9 @@ def host_register(t: torch.Tensor) -> bool:
     """Page-lock the memory under ``t`` (a slot's mapping). False if the driver refuses."""
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(err) != 0:
-        log.warning("cudaHostRegister of %d bytes failed (%s); copies fall back to pageable", t.numel(), err)
+        log.warning(
+            "cudaHostRegister of %d bytes failed (%s); copies fall back to pageable", t.numel(), err
+        )
         return False
     return True
 
@@ -62,9 +64,15 @@ class DeviceCopier:
         self.stream = torch.cuda.Stream()
         self._pending: torch.cuda.Event | None = None
         self._lock = threading.Lock()
-        self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(self._before_step) if overlap else None
+        self._hook = (
+            torch.optim.optimizer.register_optimizer_step_pre_hook(self._before_step)
+            if overlap
+            else None
+        )
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], owned: set[int]) -> torch.cuda.Event:
+    def copy(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], owned: set[int]
+    ) -> torch.cuda.Event:
         """Queue ``dst.copy_(src)`` for every pair; returns the event that marks all done."""
         caller = torch.cuda.current_stream()
         self.stream.wait_stream(caller)

@@ -53,7 +53,7 @@ def _shard_info(t: Any) -> ShardInfo:
     return ShardInfo(
         global_shape=tuple(t.shape),
         global_offset=tuple(int(o) for o in offset),
-        placements=tuple(str(p) for p in t.placements),
+        placements=tuple(repr(p) for p in t.placements),
         mesh_shape=tuple(t.device_mesh.shape),
     )
 
@@ -65,9 +65,13 @@ def tensor_source(t: torch.Tensor, path: str) -> tuple[torch.Tensor, ShardInfo |
         shard = _shard_info(t)
         t = t.to_local()
     if t.layout != torch.strided:
-        raise TypeError(f"{path}: tensors of layout {t.layout} are not supported; densify them first")
+        raise TypeError(
+            f"{path}: tensors of layout {t.layout} are not supported; densify them first"
+        )
     if t.is_quantized or t.is_meta:
-        raise TypeError(f"{path}: {'quantized' if t.is_quantized else 'meta'} tensors cannot be saved")
+        raise TypeError(
+            f"{path}: {'quantized' if t.is_quantized else 'meta'} tensors cannot be saved"
+        )
     return t.detach(), shard
 
 
@@ -77,7 +81,9 @@ class Flattener:
     def __init__(self) -> None:
         self.leaves: list[Leaf] = []
 
-    def _leaf(self, kind: str, path: str, tensor: torch.Tensor, shard: ShardInfo | None = None) -> dict:
+    def _leaf(
+        self, kind: str, path: str, tensor: torch.Tensor, shard: ShardInfo | None = None
+    ) -> dict:
         self.leaves.append(Leaf(path, kind, tensor, shard))
         return {"t": kind, "i": len(self.leaves) - 1}
 
@@ -90,12 +96,20 @@ class Flattener:
         if isinstance(value, Mapping):
             return {
                 "t": "dict",
-                "items": [[self.key(k, path), self.node(v, join(path, k))] for k, v in value.items()],
+                "items": [
+                    [self.key(k, path), self.node(v, join(path, k))] for k, v in value.items()
+                ],
             }
         if isinstance(value, list):
-            return {"t": "list", "items": [self.node(v, join(path, i)) for i, v in enumerate(value)]}
+            return {
+                "t": "list",
+                "items": [self.node(v, join(path, i)) for i, v in enumerate(value)],
+            }
         if type(value) is tuple:
-            return {"t": "tuple", "items": [self.node(v, join(path, i)) for i, v in enumerate(value)]}
+            return {
+                "t": "tuple",
+                "items": [self.node(v, join(path, i)) for i, v in enumerate(value)],
+            }
         if is_stateful(value):
             return {"t": "stateful", "v": self.node(value.state_dict(), path)}
         try:
@@ -110,7 +124,9 @@ class Flattener:
         try:
             return encode_scalar(key)
         except TypeError:
-            raise TypeError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be saved") from None
+            raise TypeError(
+                f"{path}: dict key {key!r} of type {type(key).__name__} cannot be saved"
+            ) from None
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:

@@ -105,7 +105,10 @@ class Manifest:
         if len(flat) != self.n_chunks:
             raise ManifestError(f"{len(flat)} checksums for {self.n_chunks} chunks")
         entries = tuple(
-            replace(e, checksums=tuple(flat[e.first_chunk : e.first_chunk + e.n_chunks(self.chunk_size)]))
+            replace(
+                e,
+                checksums=tuple(flat[e.first_chunk : e.first_chunk + e.n_chunks(self.chunk_size)]),
+            )
             for e in self.entries
         )
         return replace(self, entries=entries)
@@ -135,7 +138,9 @@ class Manifest:
                     **{
                         **e,
                         "shape": tuple(e["shape"]),
-                        "checksums": tuple(e["checksums"]) if e.get("checksums") is not None else None,
+                        "checksums": tuple(e["checksums"])
+                        if e.get("checksums") is not None
+                        else None,
                         "shard": _shard(e.get("shard")),
                     }
                 )

@@ -88,7 +88,10 @@ class Planner:
                 self.pickled.append(e.path)
             return lambda src: pickle.loads(src.view(e, cs).numpy().tobytes())  # noqa: S301
         if tag == "dict":
-            items = [(_decode_key(k), self.fresh(v, join(path, _decode_key(k)))) for k, v in node["items"]]
+            items = [
+                (_decode_key(k), self.fresh(v, join(path, _decode_key(k))))
+                for k, v in node["items"]
+            ]
             return lambda src: {k: p(src) for k, p in items}
         if tag in ("list", "tuple"):
             kids = [self.fresh(v, join(path, i)) for i, v in enumerate(node["items"])]
@@ -116,14 +119,18 @@ class Planner:
         # structure the snapshot must match.
         if not lenient and isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
             self.mismatches.append(
-                Mismatch(path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state")
+                Mismatch(
+                    path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state"
+                )
             )
         return self.fresh(node, path)
 
     def _stateful(self, node: Any, target: Any, path: str, lenient: bool) -> Producer:
         if not (isinstance(node, dict) and node.get("t") == "stateful") or not is_stateful(target):
             self.mismatches.append(
-                Mismatch(path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state")
+                Mismatch(
+                    path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state"
+                )
             )
             return lambda src: target
         template = target.state_dict()
@@ -147,14 +154,22 @@ class Planner:
         if e.kind != "tensor":
             self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
         if e.dtype != str(local.dtype).removeprefix("torch."):
-            self.mismatches.append(Mismatch(path, "dtype", f"{e.dtype} in snapshot, {local.dtype} in state"))
+            self.mismatches.append(
+                Mismatch(path, "dtype", f"{e.dtype} in snapshot, {local.dtype} in state")
+            )
         if tuple(e.shape) != tuple(local.shape):
             self.mismatches.append(
-                Mismatch(path, "shape", f"{tuple(e.shape)} in snapshot, {tuple(local.shape)} in state")
+                Mismatch(
+                    path, "shape", f"{tuple(e.shape)} in snapshot, {tuple(local.shape)} in state"
+                )
             )
         if shard is not None and e.shard is not None and shard != e.shard:
             self.mismatches.append(
-                Mismatch(path, "shard", f"saved as {e.shard}, restoring as {shard}; resharding is not supported")
+                Mismatch(
+                    path,
+                    "shard",
+                    f"saved as {e.shard}, restoring as {shard}; resharding is not supported",
+                )
             )
         cs = self.m.chunk_size
         dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
@@ -175,7 +190,9 @@ class Planner:
             return target
 
         if torch.from_numpy(target[:0].copy()).dtype != dtype_from_name(e.dtype):
-            self.mismatches.append(Mismatch(path, "dtype", f"{e.dtype} in snapshot, {target.dtype} in state"))
+            self.mismatches.append(
+                Mismatch(path, "dtype", f"{e.dtype} in snapshot, {target.dtype} in state")
+            )
         return produce
 
     def _dict(self, node: dict, target: Mapping, path: str, lenient: bool) -> Producer:
@@ -193,7 +210,9 @@ class Planner:
                 self.mismatches.append(Mismatch(sub, "unexpected", "in snapshot, not in state"))
         for key in target:
             if key not in seen:
-                self.mismatches.append(Mismatch(join(path, key), "missing", "in state, not in snapshot"))
+                self.mismatches.append(
+                    Mismatch(join(path, key), "missing", "in state, not in snapshot")
+                )
 
         def produce(src: Source) -> Any:
             values = {k: p(src) for k, p in items}
@@ -209,10 +228,15 @@ class Planner:
         if len(snap) != len(target):
             if not lenient:
                 self.mismatches.append(
-                    Mismatch(path, "length", f"{len(snap)} items in snapshot, {len(target)} in state")
+                    Mismatch(
+                        path, "length", f"{len(snap)} items in snapshot, {len(target)} in state"
+                    )
                 )
             return self.fresh(node, path)
-        kids = [self.match(v, t, join(path, i), lenient) for i, (v, t) in enumerate(zip(snap, target))]
+        kids = [
+            self.match(v, t, join(path, i), lenient)
+            for i, (v, t) in enumerate(zip(snap, target, strict=True))
+        ]
         as_tuple = node["t"] == "tuple"
 
         def produce(src: Source) -> Any:
@@ -244,7 +268,11 @@ def plan(manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool) -> Pr
         raise StateMismatchError(_describe(planner.mismatches, where))
     if planner.pickled:
         shown = ", ".join(repr(p) for p in planner.pickled[:MAX_LISTED])
-        more = f" and {len(planner.pickled) - MAX_LISTED} more" if len(planner.pickled) > MAX_LISTED else ""
+        more = (
+            f" and {len(planner.pickled) - MAX_LISTED} more"
+            if len(planner.pickled) > MAX_LISTED
+            else ""
+        )
         raise PickleNotAllowedError(
             f"{where} holds pickled entries: {shown}{more}. Unpickling runs code from the snapshot; "
             "if you trust it, pass allow_pickle=True"
@@ -265,6 +293,8 @@ def _describe(mismatches: list[Mismatch], where: str) -> str:
         lines.append(f"  ... and {len(mismatches) - MAX_LISTED} more")
     return (
         f"{where} does not match the state to restore into: {len(mismatches)} mismatches "
-        f"({summary}):\n" + "\n".join(lines) + "\nNothing was loaded. Build the model and optimizer "
+        f"({summary}):\n"
+        + "\n".join(lines)
+        + "\nNothing was loaded. Build the model and optimizer "
         "the same way as the run that saved, or restore into a matching state."
     )

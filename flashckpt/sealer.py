@@ -74,7 +74,9 @@ class Sealer:
                 self._cancel.clear()
             try:
                 h = slot.header()
-                sums = chunk_checksums(slot.data(h), manifest.entries, manifest.chunk_size, self._cancel)
+                sums = chunk_checksums(
+                    slot.data(h), manifest.entries, manifest.chunk_size, self._cancel
+                )
                 with self._busy_lock:
                     if sums is not None and slot is not self._blocked and slot.seq() == seq:
                         slot.write_checksums(sums)

@@ -133,7 +133,22 @@ class Slot:
         slot = cls(path, fd, mm, writable=True)
         if fresh:
             _HEADER.pack_into(
-                mm, 0, MAGIC, LAYOUT_VERSION, SlotState.EMPTY, 0, -1, 0, 0, 0, capacity, 0, 0, 0.0, 0, 0
+                mm,
+                0,
+                MAGIC,
+                LAYOUT_VERSION,
+                SlotState.EMPTY,
+                0,
+                -1,
+                0,
+                0,
+                0,
+                capacity,
+                0,
+                0,
+                0.0,
+                0,
+                0,
             )
         else:
             slot._check_magic()
@@ -196,7 +211,20 @@ class Slot:
     # ---- header ----------------------------------------------------------------------
     def header(self) -> SlotHeader:
         f = _HEADER.unpack_from(self._mm, 0)
-        return SlotHeader(SlotState(f[2]), f[3], f[4], f[5], f[6], f[7], f[8], f[9], bool(f[10]), f[11], f[12], f[13])
+        return SlotHeader(
+            SlotState(f[2]),
+            f[3],
+            f[4],
+            f[5],
+            f[6],
+            f[7],
+            f[8],
+            f[9],
+            bool(f[10]),
+            f[11],
+            f[12],
+            f[13],
+        )
 
     def seq(self) -> int:
         return struct.unpack_from("<q", self._mm, _SEQ_OFF)[0]

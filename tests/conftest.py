@@ -33,7 +33,9 @@ def shm_dir(monkeypatch) -> Path:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run_python(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (a new trainer process); fail loudly on error."""
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}

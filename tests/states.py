@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
-import warnings
 import torch
+
 
 def _storable(d: torch.dtype) -> bool:
     """Dtypes a tensor can exist in and be viewed as bytes (sub-byte placeholders cannot)."""
@@ -19,7 +20,9 @@ def _storable(d: torch.dtype) -> bool:
         return False
 
 
-ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype) and _storable(v)}, key=str)
+ALL_DTYPES = sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype) and _storable(v)}, key=str
+)
 
 
 def tensor_of(dtype: torch.dtype, shape=(3, 5), seed=0) -> torch.Tensor:
@@ -79,7 +82,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float) and a != a:
         return b != b
     return a == b

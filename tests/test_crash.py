@@ -50,7 +50,10 @@ def _kill_while_writing(shm_dir, min_step: int) -> int:
                 time.sleep(0.2)  # let the creator finish sizing them
                 slots = [Slot.open_readonly(slot_path(shm_dir, "crash", 0, i)) for i in range(2)]
             hs = [s.header() for s in slots]
-            if any(h.state == SlotState.WRITING for h in hs) and max((h.step for h in hs), default=0) >= min_step:
+            if (
+                any(h.state == SlotState.WRITING for h in hs)
+                and max((h.step for h in hs), default=0) >= min_step
+            ):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 newest = max(h.step for h in hs if h.state == SlotState.READY)

@@ -36,7 +36,9 @@ def test_wrong_shape_model_lists_mismatches_and_loads_nothing(shm_dir):
 
 def test_missing_unexpected_and_dtype_are_listed(shm_dir):
     with Checkpointer(job="keys") as ck:
-        ck.save(1, {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2, dtype=torch.int32)})
+        ck.save(
+            1, {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2, dtype=torch.int32)}
+        )
         with pytest.raises(StateMismatchError) as err:
             ck.restore({"a": torch.zeros(2), "c": torch.zeros(2), "d": torch.zeros(2)})
         msg = str(err.value)
@@ -48,7 +50,9 @@ def test_missing_unexpected_and_dtype_are_listed(shm_dir):
 def test_long_mismatch_lists_are_cut_with_counts(shm_dir):
     with Checkpointer(job="many") as ck:
         ck.save(1, {f"t{i}": torch.zeros(2) for i in range(25)})
-        with pytest.raises(StateMismatchError, match=r"25 mismatches \(25 shape\)[\s\S]*and 15 more"):
+        with pytest.raises(
+            StateMismatchError, match=r"25 mismatches \(25 shape\)[\s\S]*and 15 more"
+        ):
             ck.restore({f"t{i}": torch.zeros(3) for i in range(25)})
 
 
@@ -64,7 +68,9 @@ def test_newer_manifest_format_is_refused():
     m = Manifest("j", 0, 1, {"t": "dict", "items": []}, (), 0)
     doc = json.loads(m.to_json())
     doc["format_version"] = 99
-    with pytest.raises(ManifestError, match="format_version 99, newer than the 1 .* upgrade flashckpt"):
+    with pytest.raises(
+        ManifestError, match="format_version 99, newer than the 1 .* upgrade flashckpt"
+    ):
         Manifest.from_json(json.dumps(doc))
 
 

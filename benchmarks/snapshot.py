@@ -1,0 +1,232 @@
+"""Blocking time of Checkpointer.save() against memcpy, torch.save and DCP, in one run.
+
+    python benchmarks/snapshot.py                 # CPU, ~1.2 GiB model + AdamW state
+    python benchmarks/snapshot.py --device cuda   # blocking and overlapped device snapshots
+
+Every method copies the same bytes; rounds are interleaved and medians reported, so the
+ratios hold on a shared, noisy machine. The last line gives the ratios the targets speak of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from flashckpt import Checkpointer
+
+
+def build(params_m: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    width = 3072
+    layers = max(1, round(params_m * 1e6 / (width * width)))
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width, bias=True) for _ in range(layers)]
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    return model, opt
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) -> None:
+    x = torch.randn(16, model[0].in_features, device=device)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def state_bytes(state: dict) -> int:
+    total = 0
+    for v in state.values():
+        sd = v.state_dict()
+        stack = [sd]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                total += x.numel() * x.element_size()
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+    return total
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def row(name: str, seconds: float, nbytes: int, base: float | None) -> str:
+    gbs = nbytes / seconds / 1e9
+    ratio = f"{base / seconds:6.2f}" if base else "  1.00"
+    return f"{name:<44} {seconds * 1e3:10.1f} {gbs:8.2f} {ratio}"
+
+
+def cpu(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    os.environ.setdefault("FLASHCKPT_SHM_DIR", f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    model, opt = build(args.params_m, "cpu")
+    train_step(model, opt, "cpu")  # AdamW state exists from here on
+    state = {"model": model, "optim": opt}
+    nbytes = state_bytes(state)
+    print(f"state: {nbytes / 2**30:.2f} GiB in {len(model.state_dict()) * 3} tensors; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+
+    # The usual flow: restore() at start finds nothing and readies the slots in the background,
+    # a training step runs, then the first save.
+    ck = Checkpointer(job="bench")
+    t_restore_empty = timed(lambda: ck.restore(state))
+    t_step = timed(lambda: train_step(model, opt, "cpu"))
+    t_first = timed(lambda: ck.save(0, state))
+
+    flat_src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    flat_dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)  # pre-faulted, like the slots
+    tmp = tempfile.mkdtemp(dir="/dev/shm", prefix="flashckpt-bench-")
+    results: dict[str, list[float]] = {
+        k: [] for k in ("memcpy", "save", "restore", "torch", "dcp", "async")
+    }
+    restore_target = {"model": build(args.params_m, "cpu")[0], "optim": None}
+    restore_target["optim"] = torch.optim.AdamW(
+        restore_target["model"].parameters(), lr=1e-4, foreach=False
+    )
+    train_step(restore_target["model"], restore_target["optim"], "cpu")
+    pending = None
+    for i in range(args.rounds):
+        results["memcpy"].append(timed(lambda: flat_dst.copy_(flat_src)))
+        results["save"].append(timed(lambda i=i: ck.save(i + 1, state)))
+        ck._sealer.drain()  # checksums run in the background; keep them out of the next timing
+        results["restore"].append(timed(lambda: ck.restore(restore_target)))
+        path = os.path.join(tmp, "torch.pt")
+        results["torch"].append(
+            timed(lambda p=path: torch.save(model.state_dict() | {"optim": opt.state_dict()}, p))
+        )
+        os.unlink(path)
+        d = os.path.join(tmp, f"dcp-{i}")
+        results["dcp"].append(
+            timed(
+                lambda d=d: dcp.save(
+                    {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=d
+                )
+            )
+        )
+        shutil.rmtree(d)
+        d = os.path.join(tmp, f"async-{i}")
+
+        def start(d: str = d) -> None:
+            nonlocal pending
+            pending = dcp.async_save(
+                {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=d
+            )
+
+        results["async"].append(timed(start))
+        pending.result()
+        shutil.rmtree(d)
+    ck.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    base = med["memcpy"]
+    print(
+        f"{'method (blocking part, median of ' + str(args.rounds) + ')':<44} {'ms':>10} {'GB/s':>8} {'vs memcpy':>6}"
+    )
+    print(row("torch memcpy of the same bytes (baseline)", base, nbytes, None))
+    print(row("flashckpt save(), steady", med["save"], nbytes, base))
+    print(row("flashckpt save(), first after restore()+step", t_first, nbytes, base))
+    print(row("flashckpt restore() from memory", med["restore"], nbytes, base))
+    print(row("torch.save to /dev/shm", med["torch"], nbytes, base))
+    print(row("torch.distributed.checkpoint.save /dev/shm", med["dcp"], nbytes, base))
+    print(row("torch.distributed.checkpoint.async_save", med["async"], nbytes, base))
+    print(
+        f"(restore() finding nothing: {t_restore_empty * 1e3:.1f} ms; one training step: {t_step * 1e3:.0f} ms)"
+    )
+    print(
+        f"RESULT steady_save/memcpy_bandwidth={base / med['save']:.2f} (target >= 0.80) "
+        f"first/steady={t_first / med['save']:.2f} (target <= 2.0) "
+        f"restore/memcpy_bandwidth={base / med['restore']:.2f} (target >= 0.80)"
+    )
+    dist.destroy_process_group()
+
+
+def gpu(args: argparse.Namespace) -> None:
+    os.environ.setdefault("FLASHCKPT_SHM_DIR", f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}")
+    model, opt = build(args.params_m, "cuda")
+    train_step(model, opt, "cuda")
+    state = {"model": model, "optim": opt}
+    nbytes = state_bytes(state)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def d2h() -> None:
+        pinned.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h()
+    t_d2h = statistics.median(timed(d2h) for _ in range(args.rounds))
+
+    def step_time(ck: Checkpointer | None, n: int) -> float:
+        times = []
+        for i in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if ck is not None:
+                ck.save(i, state)
+            train_step(model, opt, "cuda")
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with Checkpointer(job="bench-block", overlap=False) as ck:
+        ck.restore(state)
+        ck.save(0, state)
+        torch.cuda.synchronize()
+        t_block = statistics.median(
+            timed(lambda i=i: ck.save(i + 1, state)) for i in range(args.rounds)
+        )
+    t_plain = step_time(None, args.rounds)
+    with Checkpointer(job="bench-overlap", overlap=True) as ck:
+        ck.restore(state)
+        step_time(ck, 2)
+        t_overlap = step_time(ck, args.rounds)
+    stall = max(0.0, t_overlap - t_plain)
+    print(f"state: {nbytes / 2**30:.2f} GiB on {torch.cuda.get_device_name()}")
+    print(row("pinned device-to-host copy (baseline)", t_d2h, nbytes, None))
+    print(row("flashckpt save(), blocking", t_block, nbytes, t_d2h))
+    print(
+        f"training step without saving {t_plain * 1e3:.1f} ms, with overlapped save every step {t_overlap * 1e3:.1f} ms"
+    )
+    print(
+        f"RESULT blocking_save/d2h_bandwidth={t_d2h / t_block:.2f} (target >= 0.80) "
+        f"overlapped_stall/copy_time={stall / t_d2h:.2f} (target <= 0.10)"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--params-m",
+        type=int,
+        default=100,
+        help="model parameters, millions (x12 bytes with AdamW)",
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    (gpu if args.device == "cuda" else cpu)(args)
+
+
+if __name__ == "__main__":
+    main()
