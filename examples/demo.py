@@ -21,12 +21,12 @@ HERE = Path(__file__).resolve().parent
 
 def torchrun(job: str, digest: Path, tiers: str, **env: str) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "3", "--rdzv-id", job, str(HERE / "train.py")]  # fmt: skip
+           "--max-restarts", "3", str(HERE / "train.py")]  # fmt: skip
     full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(digest), "DEMO_TIERS": tiers,
             "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **env}  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(
-        cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
     )
     for line in proc.stdout.splitlines():
         if line.startswith("[attempt"):
