@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from . import config, cuda, group
-from .errors import CheckpointNotFoundError, ChecksumError, ConfigError, FlashCkptError
+from .agent_client import AgentClient
+from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
-from .restore import Source, plan, run
 from .sealer import Sealer
 from .slot import HEADER_SIZE, Slot, required_capacity
-from .slots import SlotPair, read_locked
+from .slots import SlotPair
+from .sources import MemorySource, TierSource
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +40,23 @@ class Checkpointer:
         job: str | None = None,
         rank: int | None = None,
         shm_dir: str | None = None,
+        run_dir: str | None = None,
         overlap: bool | None = None,
+        close_timeout: float | None = None,
         allow_pickle: bool = False,
         verify: bool = True,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
-        if tiers:
-            raise ConfigError(
-                f"storage tiers {tiers!r} need the node agent, which this flashckpt does not have "
-                "yet; use Checkpointer() for the memory tier alone"
-            )
+        from .storage_tiers import parse_spec
+
+        for t in tiers:
+            parse_spec(t)  # validated now: a typo fails at start, not in the agent
+        self.tiers = list(tiers)  # as given: options ride in the query string
         self.job = config.resolve_job(job)
         self.rank = config.resolve_rank(rank)
         self.shm_dir = config.shm_dir(shm_dir)
+        self.run_dir = config.run_dir(run_dir)
+        self.close_timeout = float(config.setting("close_timeout", close_timeout, 300))
         self.overlap = str(config.setting("overlap", overlap, True)).lower() not in (
             "0",
             "false",
@@ -74,6 +79,8 @@ class Checkpointer:
         self._pinned: dict[int, torch.Tensor] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._agent: AgentClient | None = None
+        self._last_saved: int | None = None
 
     # ---- public API ------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -87,9 +94,10 @@ class Checkpointer:
             layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
             manifest = Manifest(
                 self.job, self.rank, step, tree, layout.entries, layout.data_len,
-                chunk_size=self.chunk_size, created_at=time.time(),
+                chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
             )  # fmt: skip
             raw = manifest.to_json()
+            self._connect_agent()
             need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
             self._settle()
             self._pair.claim()
@@ -149,12 +157,14 @@ class Checkpointer:
             self._pair.claim()
             self._pair.check_space(capacity)
             self._pair.open_existing()
-            restored = self._restore_from_memory(state, step, allow)
+            self._connect_agent()
+            restored = self._restore(state, step, allow)
             self._prep = self._background.submit(self._prepare, capacity, leaves)
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
-                f"step {step} of job {self.job!r} rank {self.rank} is not in shared memory "
-                f"({self.shm_dir}); call restore() without a step for the newest one"
+                f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "
+                f"({self.shm_dir}) nor committed in {self.tiers or 'any tier'}; call restore() "
+                "without a step for the newest one"
             )
         return restored
 
@@ -166,9 +176,7 @@ class Checkpointer:
         Works from any process of the job that names the same job and rank. Returns the step.
         """
         if tier is not None:
-            raise ConfigError(
-                f"tier {tier!r} is not configured; this Checkpointer has the memory tier only"
-            )
+            return self._wait_tier(tier, step, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._check_open()
@@ -189,12 +197,16 @@ class Checkpointer:
                 self._pair.open_existing()
 
     def close(self) -> None:
-        """Finish the snapshot in flight, stop background work and free this rank's slots."""
+        """Finish the snapshot in flight, wait for the tiers to commit the last step, stop
+        background work and free this rank's slots (or leave them to the agent if a tier is
+        still behind after ``close_timeout`` seconds)."""
         with self._lock:
             if self._closed:
                 return
+            remove = True
             try:
                 self._settle()
+                remove = self._persisted_everywhere()
             finally:
                 self._closed = True
                 self._background.shutdown(wait=True)
@@ -204,7 +216,11 @@ class Checkpointer:
                 for slot in self._pair.slots:
                     if slot is not None:
                         self._unpin(slot)
-                self._pair.close(remove=True)
+                if not remove:
+                    (self._pair.dir / f"rank-{self.rank}.closed").write_text(str(self._last_saved))
+                self._pair.close(remove=remove)
+                if self._agent is not None:
+                    self._agent.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -254,6 +270,9 @@ class Checkpointer:
         slot.unlock()
         self._sealer.release()
         self._sealer.submit(slot, seq, manifest)
+        self._last_saved = manifest.step
+        if self._agent is not None:
+            self._agent.notify(self.rank, manifest.step)
 
     def _publish_after(
         self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes
@@ -270,39 +289,76 @@ class Checkpointer:
         slot.unlock()
         self._sealer.release()
 
-    def _restore_from_memory(
-        self, state: Mapping[str, Any], step: int | None, allow: bool
-    ) -> int | None:
-        """Restore the newest step every rank holds in memory; all ranks load the same one."""
-        held = {s.header().step for s in self._pair.ready()}
+    def _restore(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
+        """Restore the newest step every rank can get; each rank from its fastest source."""
+        sources = [MemorySource(self._pair, self.verify)]
+        sources += [TierSource(url, self.job, self.rank, self.verify) for url in self.tiers]
+        held = [src.steps() for src in sources]
+        candidates = set().union(*held)
         while True:
-            choice = group.newest_common(held) if step is None else step
+            choice = group.newest_common(candidates) if step is None else step
             if choice is None:
                 return None
-            ok = self._load_step(state, choice, allow)
+            ok = False
+            for src, steps in zip(sources, held, strict=True):
+                if choice in steps and src.load(state, choice, allow):
+                    log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
+                    ok = True
+                    break
             if group.all_true(ok):
                 return choice
             if step is not None:
                 return None
-            held.discard(choice)
+            candidates.discard(choice)
 
-    def _load_step(self, state: Mapping[str, Any], step: int, allow: bool) -> bool:
-        for slot in self._pair.ready():
-            with read_locked(slot) as snap:
-                if snap is None or snap.step != step:
-                    continue
-                producer = plan(snap.manifest, state, allow)
-                source = Source(
-                    slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify
+    def _connect_agent(self) -> None:
+        if self.tiers and self._agent is None:
+            self._agent = AgentClient.connect(self.job, self.run_dir, self.shm_dir)
+            self._agent.register(self.rank, group.world_size(), self.tiers, self.shm_dir)
+
+    def _wait_tier(self, tier: str, step: int | None, timeout: float | None) -> int:
+        from .storage_tiers import parse_spec
+
+        same = [t for t in self.tiers if parse_spec(t).url == parse_spec(tier).url]
+        if not same:
+            raise ConfigError(f"tier {tier!r} is not one of this Checkpointer's tiers {self.tiers}")
+        url = same[0]
+        want = step if step is not None else self._last_saved
+        source = TierSource(url, self.job, self.rank, verify=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            newest = max(source.steps(), default=None)
+            if newest is not None and (want is None or newest >= want):
+                return newest
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"step {want} of job {self.job!r} rank {self.rank} not committed in {url} after "
+                    f"{timeout}s (newest there: {newest}); the agent's log in {self.run_dir} says why"
                 )
-                try:
-                    run(producer, source)
-                except ChecksumError as exc:
-                    log.warning("%s", exc)
-                    continue
-                if snap.intact():
-                    log.info("restored step %d of rank %d from %s", step, self.rank, slot.path)
-                    return True
+            time.sleep(0.1)
+
+    def _persisted_everywhere(self) -> bool:
+        """Wait (up to close_timeout) until every tier committed the last step or is failing."""
+        if not self.tiers or self._last_saved is None or self._agent is None:
+            return True
+        step = self._last_saved
+        deadline = time.monotonic() + self.close_timeout
+        while time.monotonic() < deadline:
+            try:
+                status = self._agent.tier_status()
+            except Exception as exc:
+                log.warning(
+                    "the agent does not answer (%s); step %d stays in shared memory", exc, step
+                )
+                return False
+            behind = [t for t in status if t.last_committed_step < step]
+            if all(t.last_error for t in behind):  # every tier has it, or is failing
+                for t in behind:
+                    log.error("step %d is not persisted in %s: %s", step, t.url, t.last_error)
+                return not behind
+            time.sleep(0.05)
+        log.warning("tiers still persisting step %d after %.0fs; the agent finishes and frees the slots",
+                    step, self.close_timeout)  # fmt: skip
         return False
 
 

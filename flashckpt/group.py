@@ -20,6 +20,14 @@ def _world() -> int:
     return 1
 
 
+def world_size() -> int:
+    """The process group's size, else ``WORLD_SIZE``, else 1."""
+    import os
+
+    w = _world()
+    return w if w > 1 else int(os.environ.get("WORLD_SIZE") or 1)
+
+
 def gather(value: object) -> list[object]:
     """Every rank's ``value`` (just ours outside a process group)."""
     if _world() == 1:

@@ -169,6 +169,19 @@ class Slot:
         slot._check_magic()
         return slot
 
+    def refresh(self) -> None:
+        """Remap a read-only slot whose file the writer has grown since it was mapped."""
+        size = os.fstat(self._fd).st_size
+        if self.writable or size <= self.capacity:
+            return
+        mm = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._unmap()
+        self._mm, self.capacity = mm, size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self._view = memoryview(mm)
+
     def _check_magic(self) -> None:
         magic, layout = struct.unpack_from("<8sI", self._mm, 0)
         if magic != MAGIC or layout > LAYOUT_VERSION:

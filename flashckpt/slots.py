@@ -67,6 +67,7 @@ def read_locked(slot: Slot, timeout: float = 5.0) -> Iterator[Snapshot | None]:
         yield None
         return
     try:
+        slot.refresh()
         h = slot.header()
         if not h.readable:
             yield None

@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -45,3 +48,33 @@ def run_python(
     if proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+@pytest.fixture
+def run_dir(monkeypatch, tmp_path) -> Path:
+    """A private agent run directory; agents left running by the test are stopped after it."""
+    path = Path(
+        tempfile.mkdtemp(prefix="fc-run-", dir="/tmp")
+    )  # short: unix socket paths are limited
+    monkeypatch.setenv("FLASHCKPT_RUN_DIR", str(path))
+    yield path
+    for pidfile in path.glob("*.pid"):
+        try:
+            os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
+        except (ValueError, ProcessLookupError, PermissionError):
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+from s3fixture import s3_bucket, s3_server  # noqa: E402,F401  (real moto S3 server fixtures)

@@ -1,0 +1,99 @@
+"""``flashckpt-agent serve``: the agent process, its socket, its lock, its shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import uuid
+from pathlib import Path
+
+import grpc
+from flashckpt.proto import agent_pb2_grpc as pb_grpc
+
+from flashckpt import config
+from flashckpt.agent_client import socket_path
+
+from .jobs import Job
+from .metrics import Metrics
+from .service import AgentService
+
+log = logging.getLogger(__name__)
+
+
+def node_name() -> str:
+    raw = str(config.setting("node", None, socket.gethostname()))
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in raw)[:64] or "node"
+
+
+def claim(run_dir: Path, job: str) -> int:
+    """Lock ``<run_dir>/<job>.pid``: one agent per job per node."""
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(run_dir, 0o700)
+    fd = os.open(run_dir / f"{job}.pid", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SystemExit(
+            f"an agent for job {job!r} already runs on this node (pid {pid}); stop it first or use it"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+async def serve(
+    job: str, tiers: list[str], shm_dir: Path, run_dir: Path, metrics_port: int | None = None,
+    exit_when_idle: float | None = None, drain_timeout: float = 60.0, metrics_addr: str = "127.0.0.1",
+) -> None:  # fmt: skip
+    config.validate_name("job", job)
+    lock_fd = claim(run_dir, job)
+    sock = socket_path(run_dir, job)
+    sock.unlink(missing_ok=True)
+    metrics = Metrics(metrics_port, metrics_addr) if metrics_port is not None else None
+    node = node_name()
+    service = AgentService(f"{node}-{uuid.uuid4().hex[:8]}", shm_dir, node, metrics, tiers)
+    service.jobs[job] = j = Job(job, shm_dir, node, metrics)
+    for url in tiers:
+        await j.add_tier(url)
+    server = grpc.aio.server()
+    pb_grpc.add_AgentServicer_to_server(service, server)
+    server.add_insecure_port(f"unix:{sock}")
+    await server.start()
+    os.chmod(sock, 0o600)
+    log.info("agent %s serving job %s on %s (shm %s, metrics %s)", service.agent_id, job, sock, shm_dir,
+             metrics.port if metrics else "off")  # fmt: skip
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    idle_since = None
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        for jb in service.jobs.values():
+            jb.release_closed_ranks()
+        if exit_when_idle is not None:
+            quiet = all(not jb.trainers_alive() and jb.idle() for jb in service.jobs.values())
+            idle_since = (idle_since or loop.time()) if quiet else None
+            if idle_since is not None and loop.time() - idle_since >= exit_when_idle:
+                log.info(
+                    "no trainer left and nothing to persist for %.0fs: exiting", exit_when_idle
+                )
+                break
+    log.info("shutting down: draining persistence (up to %.0fs)", drain_timeout)
+    await server.stop(grace=2)
+    for jb in service.jobs.values():
+        await jb.drain(drain_timeout)
+    log.info("drained; exiting")
+    if metrics:
+        metrics.close()
+    sock.unlink(missing_ok=True)
+    os.close(lock_fd)

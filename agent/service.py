@@ -1,0 +1,117 @@
+"""The gRPC servicer: thin translation between proto messages and ``Job`` objects."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+from flashckpt.proto import agent_pb2 as pb
+from flashckpt.proto import agent_pb2_grpc as pb_grpc
+
+from flashckpt import config, tier_io
+from flashckpt.errors import ConfigError
+
+from .jobs import Job
+
+log = logging.getLogger(__name__)
+
+_SCOPE = {"node": pb.TIER_SCOPE_NODE, "shared": pb.TIER_SCOPE_SHARED}
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(
+        self, agent_id: str, shm_dir: Path, node: str, metrics=None, tiers: list[str] | None = None
+    ):
+        self.agent_id, self.shm_dir, self.node, self.metrics = agent_id, shm_dir, node, metrics
+        self.default_tiers = list(tiers or [])
+        self.jobs: dict[str, Job] = {}
+
+    async def job(self, name: str, context) -> Job:
+        try:
+            config.validate_name("job", name)
+        except ConfigError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if name not in self.jobs:
+            self.jobs[name] = job = Job(name, self.shm_dir, self.node, self.metrics)
+            for url in self.default_tiers:
+                await job.add_tier(url)
+        return self.jobs[name]
+
+    async def RegisterTrainer(self, request, context):
+        if request.rank < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"rank must be >= 0, got {request.rank}"
+            )
+        if request.shm_dir and Path(request.shm_dir) != self.shm_dir:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this agent reads slots under {self.shm_dir}, the trainer writes them under {request.shm_dir}; "
+                "give both the same FLASHCKPT_SHM_DIR",
+            )
+        job = await self.job(request.job, context)
+        for url in request.tiers:
+            try:
+                await job.add_tier(url)
+            except (ConfigError, OSError, ImportError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tier {url!r}: {exc}")
+        job.trainers[request.rank] = request.pid
+        log.info("job %s: rank %d registered (pid %d)", job.name, request.rank, request.pid)
+        return pb.RegisterTrainerResponse(agent_id=self.agent_id, tiers=list(job.workers))
+
+    async def SnapshotReady(self, request, context):
+        (await self.job(request.job, context)).wake()
+        return pb.SnapshotReadyResponse()
+
+    async def GetTierStatus(self, request, context):
+        job = await self.job(request.job, context)
+        out = []
+        for w in job.workers.values():
+            s = w.state
+            out.append(
+                pb.TierStatus(
+                    url=s.url,
+                    scope=_SCOPE[s.scope],
+                    health=pb.TIER_HEALTH_OK if s.healthy else pb.TIER_HEALTH_FAILING,
+                    last_committed_step=s.last_committed,
+                    lag_steps=s.lag_steps,
+                    lag_seconds=s.lag_seconds,
+                    bytes_persisted=s.bytes_persisted,
+                    snapshots_persisted=s.snapshots_persisted,
+                    last_error=s.last_error,
+                )  # fmt: skip
+            )
+        return pb.GetTierStatusResponse(tiers=out)
+
+    async def ListSnapshots(self, request, context):
+        job = await self.job(request.job, context)
+        reader = next(iter(job.workers.values())).reader if job.workers else None
+        memory = []
+        if reader is not None:
+            for rank, steps in sorted(reader.held().items()):
+                for step, slot in sorted(steps.items()):
+                    memory.append(
+                        pb.MemorySnapshot(rank=rank, step=step, sealed=slot.header().sealed)
+                    )
+        tiers = []
+        for url, w in job.workers.items():
+            try:
+                steps = await tier_io.committed_steps(w.tier, job.name)
+            except Exception as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tier {url}: {exc}")
+            tiers.append(pb.TierSteps(url=url, committed_steps=steps))
+        return pb.ListSnapshotsResponse(memory=memory, tiers=tiers)
+
+    async def FetchRestore(self, request, context):
+        listing = await self.ListSnapshots(pb.ListSnapshotsRequest(job=request.job), context)
+        want = request.step if request.HasField("step") else None
+        sources = []
+        mem = sorted((m.step for m in listing.memory if m.rank == request.rank), reverse=True)
+        sources += [pb.RestoreSource(url="memory", step=s) for s in mem if want in (None, s)]
+        for t in listing.tiers:  # tiers are kept fastest first, as registered
+            sources += [
+                pb.RestoreSource(url=t.url, step=s)
+                for s in sorted(t.committed_steps, reverse=True)
+                if want in (None, s)
+            ]
+        return pb.FetchRestoreResponse(sources=sources)

@@ -1,0 +1,112 @@
+"""The trainer's side of the node agent: find or spawn it, register, notify (never block)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from .errors import TierUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+def socket_path(run_dir: Path, job: str) -> Path:
+    return run_dir / f"{job}.sock"
+
+
+class AgentClient:
+    def __init__(self, job: str, run_dir: Path):
+        from .proto import agent_pb2 as pb
+        from .proto import agent_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.job, self.run_dir = job, run_dir
+        self.socket = socket_path(run_dir, job)
+        self.channel = grpc.insecure_channel(f"unix:{self.socket}")
+        self.stub = pb_grpc.AgentStub(self.channel)
+
+    def ready(self, timeout: float) -> bool:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+    @classmethod
+    def connect(
+        cls, job: str, run_dir: Path, shm_dir: Path, spawn: bool = True, timeout: float = 30
+    ) -> AgentClient:
+        """The job's agent on this node; spawned detached if none answers and ``spawn``."""
+        client = cls(job, run_dir)
+        if client.socket.exists() and client.ready(0.5):
+            return client
+        if not spawn:
+            raise TierUnavailableError(
+                f"no flashckpt agent answers on {client.socket}; start one with 'flashckpt-agent serve --job {job}'"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        logfile = open(run_dir / f"{job}.log", "ab")  # noqa: SIM115  (handed to the child)
+        cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
+               "--run-dir", str(run_dir), "--exit-when-idle", "30"]  # fmt: skip
+        # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
+        subprocess.Popen(
+            cmd,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=logfile,
+            stderr=logfile,
+            close_fds=True,
+        )
+        logfile.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.socket.exists() and client.ready(0.5):
+                log.info(
+                    "started the flashckpt agent for job %s (log: %s)", job, run_dir / f"{job}.log"
+                )
+                return client
+            time.sleep(0.1)
+        raise TierUnavailableError(
+            f"the flashckpt agent for job {job} did not start within {timeout}s; see {run_dir / f'{job}.log'}"
+        )
+
+    def register(self, rank: int, world_size: int, tiers: list[str], shm_dir: Path) -> list[str]:
+        req = self.pb.RegisterTrainerRequest(
+            job=self.job,
+            rank=rank,
+            world_size=world_size,
+            pid=os.getpid(),
+            tiers=tiers,
+            shm_dir=str(shm_dir),
+        )
+        try:
+            return list(self.stub.RegisterTrainer(req, timeout=30).tiers)
+        except grpc.RpcError as exc:
+            raise TierUnavailableError(
+                f"the flashckpt agent refused rank {rank}: {exc.details()}"
+            ) from exc
+
+    def notify(self, rank: int, step: int) -> None:
+        """Tell the agent a snapshot is READY; fire and forget (it also polls)."""
+        # Agent death stops persistence, never training: errors are dropped.
+        with contextlib.suppress(Exception):
+            self.stub.SnapshotReady.future(
+                self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step), timeout=5
+            )
+
+    def tier_status(self, timeout: float = 5) -> list:
+        return list(
+            self.stub.GetTierStatus(
+                self.pb.GetTierStatusRequest(job=self.job), timeout=timeout
+            ).tiers
+        )
+
+    def close(self) -> None:
+        self.channel.close()

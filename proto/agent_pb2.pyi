@@ -1,0 +1,198 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TierScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_SCOPE_UNSPECIFIED: _ClassVar[TierScope]
+    TIER_SCOPE_NODE: _ClassVar[TierScope]
+    TIER_SCOPE_SHARED: _ClassVar[TierScope]
+
+class TierHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_HEALTH_UNSPECIFIED: _ClassVar[TierHealth]
+    TIER_HEALTH_OK: _ClassVar[TierHealth]
+    TIER_HEALTH_FAILING: _ClassVar[TierHealth]
+
+TIER_SCOPE_UNSPECIFIED: TierScope
+TIER_SCOPE_NODE: TierScope
+TIER_SCOPE_SHARED: TierScope
+TIER_HEALTH_UNSPECIFIED: TierHealth
+TIER_HEALTH_OK: TierHealth
+TIER_HEALTH_FAILING: TierHealth
+
+class RegisterTrainerRequest(_message.Message):
+    __slots__ = ("job", "rank", "world_size", "pid", "tiers", "shm_dir")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    shm_dir: str
+    def __init__(
+        self,
+        job: str | None = ...,
+        rank: int | None = ...,
+        world_size: int | None = ...,
+        pid: int | None = ...,
+        tiers: _Iterable[str] | None = ...,
+        shm_dir: str | None = ...,
+    ) -> None: ...
+
+class RegisterTrainerResponse(_message.Message):
+    __slots__ = ("agent_id", "tiers")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, agent_id: str | None = ..., tiers: _Iterable[str] | None = ...) -> None: ...
+
+class SnapshotReadyRequest(_message.Message):
+    __slots__ = ("job", "rank", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    def __init__(
+        self, job: str | None = ..., rank: int | None = ..., step: int | None = ...
+    ) -> None: ...
+
+class SnapshotReadyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTierStatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: str | None = ...) -> None: ...
+
+class TierStatus(_message.Message):
+    __slots__ = (
+        "url",
+        "scope",
+        "health",
+        "last_committed_step",
+        "lag_steps",
+        "lag_seconds",
+        "bytes_persisted",
+        "snapshots_persisted",
+        "last_error",
+    )
+    URL_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    scope: TierScope
+    health: TierHealth
+    last_committed_step: int
+    lag_steps: int
+    lag_seconds: float
+    bytes_persisted: int
+    snapshots_persisted: int
+    last_error: str
+    def __init__(
+        self,
+        url: str | None = ...,
+        scope: TierScope | str | None = ...,
+        health: TierHealth | str | None = ...,
+        last_committed_step: int | None = ...,
+        lag_steps: int | None = ...,
+        lag_seconds: float | None = ...,
+        bytes_persisted: int | None = ...,
+        snapshots_persisted: int | None = ...,
+        last_error: str | None = ...,
+    ) -> None: ...
+
+class GetTierStatusResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, tiers: _Iterable[TierStatus | _Mapping] | None = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: str | None = ...) -> None: ...
+
+class MemorySnapshot(_message.Message):
+    __slots__ = ("rank", "step", "sealed")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    sealed: bool
+    def __init__(
+        self, rank: int | None = ..., step: int | None = ..., sealed: bool | None = ...
+    ) -> None: ...
+
+class TierSteps(_message.Message):
+    __slots__ = ("url", "committed_steps")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    committed_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(
+        self, url: str | None = ..., committed_steps: _Iterable[int] | None = ...
+    ) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("memory", "tiers")
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    memory: _containers.RepeatedCompositeFieldContainer[MemorySnapshot]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierSteps]
+    def __init__(
+        self,
+        memory: _Iterable[MemorySnapshot | _Mapping] | None = ...,
+        tiers: _Iterable[TierSteps | _Mapping] | None = ...,
+    ) -> None: ...
+
+class FetchRestoreRequest(_message.Message):
+    __slots__ = ("job", "rank", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    def __init__(
+        self, job: str | None = ..., rank: int | None = ..., step: int | None = ...
+    ) -> None: ...
+
+class RestoreSource(_message.Message):
+    __slots__ = ("url", "step")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    step: int
+    def __init__(self, url: str | None = ..., step: int | None = ...) -> None: ...
+
+class FetchRestoreResponse(_message.Message):
+    __slots__ = ("sources",)
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[RestoreSource]
+    def __init__(self, sources: _Iterable[RestoreSource | _Mapping] | None = ...) -> None: ...

@@ -1,0 +1,139 @@
+"""The one interface every storage tier implements.
+
+A tier stores objects under string keys (``"<job>/step-<N>/rank-<R>/data"``). ``put`` is
+atomic: a reader sees the whole object or none of it (write-then-rename on POSIX tiers, a
+completed multipart upload on S3), so a crash mid-write never leaves a partial object behind
+a committed name. Higher layers build commit on that: a rank's manifest is put after its data,
+and a step's commit marker after every rank's manifest.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from flashckpt.errors import ConfigError
+
+
+class Scope(enum.Enum):
+    """Who can read a tier: only its own node (local NVMe) or every node (PFS, S3)."""
+
+    NODE = "node"
+    SHARED = "shared"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a tier retries transient errors: attempts in all, exponential backoff with a cap."""
+
+    attempts: int = 5
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A parsed tier URL: ``scheme://location?scope=node&keep_last=3&every_steps=10...``."""
+
+    url: str
+    scheme: str
+    location: str
+    scope: Scope
+    options: dict[str, str] = field(default_factory=dict)
+
+
+class Tier(abc.ABC):
+    """Async object store over one root. Keys use ``/`` and never start with it."""
+
+    spec: TierSpec
+
+    @property
+    def scope(self) -> Scope:
+        return self.spec.scope
+
+    @abc.abstractmethod
+    async def put(
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
+    ) -> None:
+        """Store ``size`` bytes given as consecutive chunks under ``key``, atomically."""
+
+    @abc.abstractmethod
+    async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``key``; CheckpointNotFoundError if it does not exist."""
+
+    @abc.abstractmethod
+    async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
+        """Fill ``out`` with ``len(out)`` bytes of ``key`` from ``start`` (restore's fast path)."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str) -> list[str]:
+        """Every committed key under ``prefix`` (recursive), sorted. Temporaries are hidden."""
+
+    @abc.abstractmethod
+    async def delete(self, prefix: str) -> None:
+        """Remove ``prefix`` and everything under it; missing keys are not an error."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+
+TEMP_PREFIX = ".tmp-"
+"""Names starting with this are a tier's in-flight temporaries: never listed, never a key."""
+
+
+def check_key(key: str, *, prefix: bool = False) -> str:
+    """Refuse keys that could escape a tier's root; returns ``key`` without a trailing ``/``.
+
+    A ``prefix`` may be empty (the whole tier) and may end with ``/``; a key may not.
+    """
+    if not isinstance(key, str):
+        raise ConfigError(f"a tier key must be a str like 'job/step-1/data', got {key!r}")
+    body = key[:-1] if prefix and key.endswith("/") else key
+    if body == "" and prefix:
+        return ""
+    parts = body.split("/")
+    if (
+        body.startswith("/")
+        or "\0" in body
+        or any(p in ("", ".", "..") or p.startswith(TEMP_PREFIX) for p in parts)
+    ):
+        raise ConfigError(
+            f"tier key {key!r} is not allowed: expected a relative path like 'job/step-1/data' "
+            f"with no leading '/', no '.' or '..', no empty components and no component "
+            f"starting with {TEMP_PREFIX!r}; fix the key"
+        )
+    return body
+
+
+def check_delete_prefix(prefix: str, url: str) -> str:
+    """A prefix ``delete`` may remove: valid and not empty (never the whole tier at once)."""
+    body = check_key(prefix, prefix=True)
+    if not body:
+        raise ConfigError(
+            f"tier {url}: delete needs a non-empty prefix like 'job/step-1', got {prefix!r}; "
+            "refusing to delete the whole tier (delete each job's prefix instead)"
+        )
+    return body
+
+
+async def iter_chunks(
+    chunks: AsyncIterable[memoryview] | Iterable[memoryview],
+) -> AsyncIterator[memoryview]:
+    """Yield ``put``'s chunks as flat byte views, whether given as a list or an async iterator."""
+    if isinstance(chunks, AsyncIterable):
+        async for chunk in chunks:
+            yield _flat(chunk)
+    else:
+        for chunk in chunks:
+            yield _flat(chunk)
+
+
+def _flat(chunk: memoryview | bytes | bytearray) -> memoryview:
+    view = memoryview(chunk)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -1,0 +1,301 @@
+"""Directory tiers: objects are files under a root, written to a temporary and renamed in.
+
+The rename is what makes ``put`` atomic; the fsyncs (file, then its directory) make it
+durable. Blocking calls run in worker threads so the agent's event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
+
+from .base import TEMP_PREFIX, Tier, TierSpec, check_delete_prefix, check_key, iter_chunks
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+COALESCE_BYTES = 1 << 20
+"""Chunks smaller than this are gathered into one write; larger ones go straight from their view."""
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class PosixTier(Tier):
+    """Objects as files under ``spec.location``; subclasses add what their filesystem allows."""
+
+    def __init__(self, spec: TierSpec):
+        self.spec = spec
+        self.root = Path(spec.location)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _reserve(self, fd: int, size: int) -> None:
+        """Called on the temporary before writing ``size`` bytes (a local disk preallocates)."""
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def _translate(self, exc: OSError, key: str, size: int, action: str = "written") -> OSError:
+        """Turn disk-full and permission errors into TierUnavailableError that says what to do."""
+        if exc.errno in _FULL:
+            try:
+                st = os.statvfs(self.root)
+                free = f"{st.f_bavail * st.f_frsize} bytes are free"
+            except OSError:
+                free = "free space unknown"
+            return TierUnavailableError(
+                exc.errno,
+                f"tier directory {self.root} is full ({os.strerror(exc.errno)}): writing "
+                f"{key!r} needed {size} bytes and {free}; free space there, or keep fewer "
+                "snapshots (lower keep_last / keep_every)",
+            )
+        if exc.errno in _DENIED:
+            where = exc.filename or self.root
+            return TierUnavailableError(
+                exc.errno,
+                f"tier directory {self.root} cannot be {action}: {os.strerror(exc.errno)} on "
+                f"{where} (expected it to be {action} for {key!r}); fix its permissions or "
+                "mount, or point the tier elsewhere",
+            )
+        return exc
+
+    # -- put ---------------------------------------------------------------------------------
+
+    async def put(
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
+    ) -> None:
+        path = self._path(key)
+        try:
+            temp = await asyncio.to_thread(_Temp.create, path)
+        except OSError as exc:
+            raise self._translate(exc, key, size) from exc
+        try:
+            await temp.run(self._reserve, temp.fd, size)
+            written = await self._write_all(temp, chunks)
+            if written != size:
+                raise ValueError(
+                    f"put {key!r}: expected {size} bytes but the chunks held {written}; "
+                    "nothing was stored (pass the real size)"
+                )
+            await temp.run(temp.commit, path)
+        except BaseException as exc:
+            await asyncio.shield(temp.discard())
+            if isinstance(exc, OSError):
+                raise self._translate(exc, key, size) from exc
+            raise
+        log.debug("put %s/%s (%d bytes)", self.root, key, size)
+
+    async def _write_all(
+        self, temp: _Temp, chunks: AsyncIterator[memoryview] | list[memoryview]
+    ) -> int:
+        """Write chunks in order: small ones gathered, large ones from their own memory."""
+        written = 0
+        pending = bytearray()
+        async for view in iter_chunks(chunks):
+            if len(view) < COALESCE_BYTES:
+                pending += view
+                if len(pending) < COALESCE_BYTES:
+                    continue
+                view, pending = memoryview(pending), bytearray()
+            elif pending:
+                await temp.run(temp.write, memoryview(pending))
+                written += len(pending)
+                pending = bytearray()
+            await temp.run(temp.write, view)
+            written += len(view)
+        if pending:
+            await temp.run(temp.write, memoryview(pending))
+            written += len(pending)
+        return written
+
+    # -- get ---------------------------------------------------------------------------------
+
+    def _open_read(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            found = "nothing"
+        except PermissionError as exc:
+            raise self._translate(exc, key, 0, "read") from exc
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+            found = "a directory"
+        raise CheckpointNotFoundError(
+            f"tier {self.spec.url} has no object {key!r}: expected the file {path}, found "
+            f"{found} there; check the key, or whether this snapshot was deleted"
+        )
+
+    async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return await asyncio.to_thread(self._get, key, start, end)
+
+    def _get(self, key: str, start: int, end: int | None) -> bytes:
+        fd = self._open_read(key)
+        try:
+            length = os.fstat(fd).st_size
+            end = length if end is None else min(end, length)
+            parts: list[bytes] = []
+            pos = start
+            while pos < end:
+                piece = os.pread(fd, end - pos, pos)
+                if not piece:
+                    break
+                parts.append(piece)
+                pos += len(piece)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        finally:
+            os.close(fd)
+
+    async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
+        await asyncio.to_thread(self._get_into, key, out, start)
+
+    def _get_into(self, key: str, out: memoryview, start: int) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        with os.fdopen(self._open_read(key), "rb", buffering=0) as f:
+            f.seek(start)
+            filled = 0
+            while filled < len(view):
+                n = f.readinto(view[filled:])
+                if not n:
+                    raise ValueError(
+                        f"tier {self.spec.url}: object {key!r} ends at byte {start + filled}, "
+                        f"expected at least {start + len(view)} bytes; it is truncated or the "
+                        "caller's size is wrong"
+                    )
+                filled += n
+
+    # -- list / delete -----------------------------------------------------------------------
+
+    async def list(self, prefix: str) -> list[str]:
+        return await asyncio.to_thread(self._list, check_key(prefix, prefix=True))
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if base.is_file():
+            return [prefix]
+        keys: list[str] = []
+        try:
+            walk = list(os.walk(base, onerror=_raise))
+        except PermissionError as exc:
+            raise self._translate(exc, prefix, 0, "read") from exc
+        for dirpath, _dirs, files in walk:
+            rel = os.path.relpath(dirpath, self.root)
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    keys.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+        return sorted(keys)
+
+    async def delete(self, prefix: str) -> None:
+        await asyncio.to_thread(self._delete, check_delete_prefix(prefix, self.spec.url))
+
+    def _delete(self, prefix: str) -> None:
+        target = self.root / prefix
+        try:
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._translate(exc, prefix, 0) from exc
+        log.debug("deleted %s", target)
+
+    async def close(self) -> None:
+        """Nothing to release: every call opens and closes its own file."""
+
+
+def _raise(exc: OSError) -> None:
+    """os.walk's onerror: an unreadable directory must fail the listing, not shrink it."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):  # absent: nothing to list
+        raise exc
+
+
+class _Temp:
+    """A temporary file being written next to its final name; removed unless committed."""
+
+    def __init__(self, fd: int, path: Path):
+        self.fd: int | None = fd
+        self.path = path
+        self._busy: asyncio.Future[object] | None = None
+
+    @classmethod
+    def create(cls, final: Path) -> _Temp:
+        _make_dirs(final.parent)
+        path = final.parent / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        return cls(os.open(path, flags, 0o644), path)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run blocking ``fn`` in a thread; a cancelled caller does not orphan it (see discard)."""
+        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return await asyncio.shield(self._busy)
+
+    def write(self, view: memoryview) -> None:
+        assert self.fd is not None
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def commit(self, final: Path) -> None:
+        assert self.fd is not None
+        os.fsync(self.fd)
+        fd, self.fd = self.fd, None
+        os.close(fd)
+        os.replace(self.path, final)
+        _fsync_dir(final.parent)
+
+    async def discard(self) -> None:
+        if self._busy is not None:
+            await asyncio.wait([self._busy])  # never close an fd a thread still writes to
+        await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+        self.path.unlink(missing_ok=True)
+
+
+def _make_dirs(parent: Path) -> None:
+    """Create ``parent`` and its missing ancestors, fsyncing each directory that gained one."""
+    missing: list[Path] = []
+    here = parent
+    while not here.is_dir():
+        missing.append(here)
+        if here == here.parent:
+            break
+        here = here.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o755)
+        except FileExistsError:
+            continue  # made by a concurrent put
+        _fsync_dir(d.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some network filesystems refuse directory fsync
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+        log.debug("directory fsync not supported on %s: %s", path, exc)
+    finally:
+        os.close(fd)

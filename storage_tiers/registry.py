@@ -1,0 +1,204 @@
+"""Tier URLs to tier objects: a registry keyed by URL scheme, imported lazily.
+
+``file:///mnt/nvme/ckpt?keep_last=3`` -> LocalTier, ``pfs:///lustre/ckpt`` -> ParallelFsTier,
+``s3://bucket/prefix`` -> S3Tier. Other packages add schemes through the ``flashckpt.tiers``
+entry-point group (``scheme = "package.module:TierClass"``) or :func:`register_tier`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TypeVar
+from urllib.parse import parse_qsl
+
+from flashckpt.errors import ConfigError
+
+from .base import Scope, Tier, TierSpec
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "flashckpt.tiers"
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(.*)$", re.DOTALL)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """Where a scheme's tier class lives and what it needs."""
+
+    target: str  # "package.module:Class", imported only when the scheme is opened
+    default_scope: Scope
+    install_hint: str | None = None  # shown when the import fails
+    path_like: bool = False  # location is a filesystem path: resolved to an absolute one
+
+
+_REGISTRY: dict[str, TierEntry] = {
+    "file": TierEntry("flashckpt.storage_tiers.local:LocalTier", Scope.NODE, path_like=True),
+    "pfs": TierEntry(
+        "flashckpt.storage_tiers.parallel_fs:ParallelFsTier", Scope.SHARED, path_like=True
+    ),
+    "s3": TierEntry(
+        "flashckpt.storage_tiers.s3:S3Tier",
+        Scope.SHARED,
+        install_hint="pip install 'flashckpt[s3]'",
+    ),
+}
+
+
+def register_tier(
+    scheme: str,
+    target: str,
+    default_scope: Scope = Scope.NODE,
+    install_hint: str | None = None,
+    path_like: bool = False,
+) -> None:
+    """Add or replace a scheme at run time (entry points do the same for installed packages)."""
+    _REGISTRY[scheme.lower()] = TierEntry(target, default_scope, install_hint, path_like)
+
+
+def known_schemes() -> list[str]:
+    """Built-in, registered and entry-point schemes, sorted."""
+    return sorted(
+        set(_REGISTRY) | {ep.name.lower() for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    )
+
+
+def _entry(scheme: str) -> TierEntry:
+    if scheme in _REGISTRY:
+        return _REGISTRY[scheme]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name.lower() == scheme:
+            # A third-party class may declare ``default_scope``; otherwise assume node-only,
+            # so nothing counts on other nodes reading a tier they may not see.
+            cls = _load(scheme, TierEntry(ep.value, Scope.NODE))
+            scope = getattr(cls, "default_scope", Scope.NODE)
+            return TierEntry(ep.value, Scope(scope), getattr(cls, "install_hint", None))
+    raise ConfigError(
+        f"unknown tier scheme {scheme!r}: expected one of {', '.join(known_schemes())} "
+        "(e.g. file:///mnt/nvme/ckpt, s3://bucket/prefix); fix the URL or install the package "
+        f"that provides {scheme!r} tiers (entry-point group {ENTRY_POINT_GROUP!r})"
+    )
+
+
+def _load(scheme: str, entry: TierEntry) -> type[Tier]:
+    module_name, _, attr = entry.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = entry.install_hint or f"install the package that provides {module_name}"
+        raise ImportError(
+            f"the {scheme}:// tier needs {module_name}, which cannot be imported ({exc}); "
+            f"run: {hint}"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise ConfigError(
+            f"tier scheme {scheme!r} points at {entry.target!r}, expected a Tier subclass "
+            f"there but found {cls!r}; fix the registration"
+        )
+    return cls
+
+
+def _option_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Scope):
+        return value.value
+    return str(value)
+
+
+def _scope(text: str, default: Scope) -> Scope:
+    if text == "":
+        return default
+    try:
+        return Scope(text.strip().lower())
+    except ValueError:
+        raise ConfigError(
+            f"tier option scope={text!r} is not valid: expected 'node' or 'shared'; fix the URL "
+            "query or the scope argument"
+        ) from None
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """``(scheme, location, query)``; a URL without a scheme is a ``file`` path."""
+    match = _SCHEME.match(url)
+    scheme, rest = (match.group(1).lower(), match.group(2)) if match else ("file", url)
+    location, _, query = rest.partition("?")
+    if location.startswith("//"):
+        location = location[2:]
+    return scheme, location, query
+
+
+def _resolve_path(location: str, url: str) -> str:
+    if location.startswith("localhost/"):
+        location = location[len("localhost") :]
+    if location == "":
+        raise ConfigError(f"tier URL {url!r} names no directory: expected e.g. file:///mnt/ckpt")
+    return os.path.abspath(os.path.expanduser(location))
+
+
+def parse_spec(url: str, **options: object) -> TierSpec:
+    """Parse a tier URL; ``options`` override its query string (explicit arguments win)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"a tier URL must be a non-empty str like file:///mnt/ckpt, got {url!r}")
+    scheme, location, query = _split(url.strip())
+    entry = _entry(scheme)
+    try:
+        merged = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError as exc:
+        raise ConfigError(
+            f"tier URL {url!r} has a malformed query {query!r} ({exc}): expected key=value pairs "
+            "joined by '&'"
+        ) from None
+    merged.update({k: _option_text(v) for k, v in options.items() if v is not None})
+    scope = _scope(merged.pop("scope", ""), entry.default_scope)
+    if entry.path_like:
+        location = _resolve_path(location, url)
+    else:
+        location = location.strip("/")
+        if not location:
+            raise ConfigError(
+                f"tier URL {url!r} has no location: expected {scheme}://<where>, e.g. "
+                "s3://bucket/prefix"
+            )
+    canonical = f"{scheme}://{location}"
+    return TierSpec(url=canonical, scheme=scheme, location=location, scope=scope, options=merged)
+
+
+def open_tier(url: str, **options: object) -> Tier:
+    """Build the tier for ``url``; importing its module only now (s3fs only for s3://)."""
+    spec = parse_spec(url, **options)
+    cls = _load(spec.scheme, _entry(spec.scheme))
+    log.debug("opening %s tier %s (%s)", cls.__name__, spec.url, spec.scope.value)
+    return cls(spec)
+
+
+def option(spec: TierSpec, name: str, default: T, convert: Callable[[str], T]) -> T:
+    """A typed tier option: ``convert(spec.options[name])`` or ``default`` when absent."""
+    text = spec.options.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return convert(text)
+    except ValueError:
+        raise ConfigError(
+            f"tier {spec.url}: option {name}={text!r} is not valid: expected a value like "
+            f"{default!r}; fix the URL query or argument"
+        ) from None
+
+
+def as_bool(text: str) -> bool:
+    """``true/false``, ``1/0``, ``yes/no`` for boolean tier options."""
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)

@@ -1,0 +1,274 @@
+"""The node agent for real: its own process, its unix socket, real tiers, real faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, run_python, wait_for
+
+from flashckpt import Checkpointer, layout, tier_io
+from flashckpt.sources import run_with_tier
+
+
+def committed(url: str, job: str) -> list[int]:
+    return run_with_tier(url, lambda t: tier_io.committed_steps(t, job))
+
+
+def agent_pid(run_dir: Path, job: str) -> int:
+    return int(
+        wait_for(
+            lambda: (
+                (run_dir / f"{job}.pid").exists() and (run_dir / f"{job}.pid").read_text().strip()
+            ),
+            what="agent pid",
+        )
+    )
+
+
+def test_two_lines_persist_to_disk_and_restore_after_memory_is_lost(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}"
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 0}
+    with Checkpointer(url, job="e2e") as ck:
+        assert ck.restore(state) is None
+        for step in range(5):
+            state["w"].add_(1)
+            state["step"] = step
+            ck.save(step, state)
+        assert ck.wait(tier=url, timeout=60) == 4
+    # close() returned after the tier committed step 4 and freed the shared memory
+    assert not (shm_dir / "e2e").exists()
+    assert committed(url, "e2e")[-1] == 4
+    assert os.stat(run_dir).st_mode & 0o777 == 0o700
+    out = run_python(
+        "import torch; from flashckpt import Checkpointer\n"
+        f"s = {{'w': torch.zeros(1000), 'step': None}}\n"
+        f"print(Checkpointer({url!r}, job='e2e').restore(s), s['step'], float(s['w'][0]))\n"
+    )
+    assert out.stdout.split() == ["4", "4", "5.0"]
+
+
+def test_trainer_sigkilled_right_after_save_still_gets_persisted(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}"
+    code = (
+        "import os, signal, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer({url!r}, job='kill')\n"
+        "t = torch.ones(256, 1024)\n"
+        "for step in range(8):\n    ck.save(step, {'t': t * step})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=os.environ, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    wait_for(lambda: committed(url, "kill")[-1:] == [7], what="step 7 committed by the agent")
+
+
+def test_agent_sigkilled_mid_upload_commits_nothing_partial_and_a_new_agent_catches_up(
+    shm_dir, run_dir, tmp_path
+):
+    root = tmp_path / "pfs"
+    url = f"pfs://{root}"
+    job = "agentkill"
+    # A trainer that keeps saving ~192 MiB snapshots; the agent needs a while for each.
+    code = (
+        "import sys, time, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer({url!r}, job={job!r})\n"
+        "t = torch.zeros(48 * 2**20)\n"
+        "step = 0\n"
+        "while True:\n"
+        "    t.fill_(step); ck.save(step, {'t': t}); print(step, flush=True); step += 1; time.sleep(0.05)\n"
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", code], env=os.environ, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = agent_pid(run_dir, job)
+        wait_for(
+            lambda: list(root.rglob(".tmp-*")),
+            timeout=60,
+            interval=0.01,
+            what="an upload in flight",
+        )
+        os.kill(pid, signal.SIGKILL)
+        before = committed(url, job)
+        # Nothing partial is listed: every committed step has every rank's manifest and data.
+        for step in before:
+            assert (root / layout.manifest_key(job, step, 0)).exists()
+        # Training goes on without its agent.
+        progress = int(trainer.stdout.readline())
+        wait_for(lambda: int(trainer.stdout.readline()) > progress + 3, what="training to go on")
+        assert trainer.poll() is None
+        # A restarted agent persists what is in shared memory.
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--tier", url],
+            env=os.environ, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            newest_before = max(before, default=-1)
+            wait_for(
+                lambda: max(committed(url, job), default=-1) > newest_before,
+                what="the new agent to commit",
+            )
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=120)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    steps = committed(url, job)
+    out = run_python(
+        "import torch; from flashckpt import Checkpointer\n"
+        f"s = {{'t': torch.empty(48 * 2**20)}}\n"
+        f"ck = Checkpointer({url!r}, job={job!r}, shm_dir={str(tmp_path / 'shm2')!r})\n"
+        f"step = ck.restore(s); print(step, bool((s['t'] == step).all()))\n",
+        env={"FLASHCKPT_RUN_DIR": str(run_dir / "second")},
+    )
+    assert out.stdout.split() == [str(steps[-1]), "True"]
+
+
+def test_corrupt_chunk_in_one_tier_falls_back_to_the_next(shm_dir, run_dir, tmp_path):
+    fast, slow = f"file://{tmp_path / 'nvme'}", f"pfs://{tmp_path / 'pfs'}"
+    with Checkpointer(fast, slow, job="crc") as ck:
+        ck.save(3, {"t": torch.arange(100_000, dtype=torch.int64)})
+        ck.wait(3, tier=fast, timeout=60)
+        ck.wait(3, tier=slow, timeout=60)
+    data = tmp_path / "nvme" / layout.data_key("crc", 3, 0)
+    raw = bytearray(data.read_bytes())
+    raw[12345] ^= 0x40
+    data.write_bytes(bytes(raw))
+    out = run_python(
+        "import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+        "from flashckpt import Checkpointer\n"
+        "s = {'t': torch.zeros(100_000, dtype=torch.int64)}\n"
+        f"print(Checkpointer({fast!r}, {slow!r}, job='crc').restore(s), bool((s['t'] == torch.arange(100_000)).all()))\n"
+    )
+    assert out.stdout.split() == ["3", "True"]
+    assert "crc32c" in out.stderr and "nvme" in out.stderr
+
+
+def test_retention_and_throttle(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}?keep_last=2&keep_every=4"
+    with Checkpointer(url, job="keep") as ck:
+        for step in range(10):
+            ck.save(step, {"t": torch.full((10,), step)})
+            ck.wait(step, tier=url, timeout=60)
+    assert committed(url, "keep") == [0, 4, 8, 9]
+    thr = f"file://{tmp_path / 'thr'}?every_steps=5"
+    with Checkpointer(thr, job="thr") as ck:
+        for step in range(12):
+            ck.save(step, {"t": torch.full((10,), step)})
+            ck.wait(step, timeout=10)
+    assert all(b - a >= 5 for a, b in zip(committed(thr, "thr"), committed(thr, "thr")[1:]))
+
+
+def test_second_agent_for_a_job_refuses_and_metrics_are_served(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}"
+    cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", "dup", "--tier", url]
+    first = subprocess.Popen(
+        [*cmd, "--metrics-port", "0", "--log-format", "json"],
+        env=os.environ,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        agent_pid(run_dir, "dup")
+        second = subprocess.run(cmd, env=os.environ, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0
+        assert "already runs on this node" in second.stderr
+        with Checkpointer(url, job="dup") as ck:
+            ck.save(1, {"t": torch.ones(1000)})
+            ck.wait(1, tier=url, timeout=60)
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+        logs = [
+            json.loads(line) for line in first.stderr.read().splitlines() if line.startswith("{")
+        ]
+        port = next(
+            int(m["msg"].split("metrics ")[-1].rstrip(")"))
+            for m in logs
+            if "serving job" in m["msg"]
+        )
+        assert any("committed step 1" in m["msg"] for m in logs)
+        assert port > 0
+    finally:
+        first.kill()
+
+
+def test_metrics_endpoint(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", "met", "--tier", url, "--metrics-port", "0"],
+        env=os.environ, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = wait_for(
+            lambda: next((x for x in iter(agent.stderr.readline, "") if "serving job" in x), None),
+            what="agent start",
+        )
+        port = int(line.rsplit("metrics ", 1)[1].rstrip(")\n"))
+        with Checkpointer(url, job="met") as ck:
+            ck.save(1, {"t": torch.ones(4096)})
+            ck.wait(1, tier=url, timeout=60)
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        )
+        assert 'flashckpt_persisted_snapshots_total{tier="' in body
+        assert "flashckpt_tier_lag_steps" in body
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+
+
+def test_disk_full_fails_that_tier_and_keeps_older_steps(tmp_path):
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-rm", "true"]).returncode != 0
+    ):
+        pytest.skip("needs unshare -rm to mount a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(
+        "import json, os, torch\n"
+        "from flashckpt import Checkpointer\n"
+        f"url = 'file://{disk}'\n"
+        "ck = Checkpointer(url, job='full', close_timeout=20)\n"
+        "ck.save(1, {'t': torch.ones(256 * 1024)})\n"  # 1 MiB: fits
+        "ck.wait(1, tier=url, timeout=60)\n"
+        "ck.save(2, {'t': torch.ones(2 * 1024 * 1024)})\n"  # 8 MiB: does not
+        "import time\n"
+        "for _ in range(300):\n"
+        "    st = ck._agent.tier_status()[0]\n"
+        "    if st.last_error: break\n"
+        "    time.sleep(0.1)\n"
+        "print(json.dumps({'error': st.last_error, 'committed': st.last_committed_step}))\n"
+        "ck.close()\n"
+        "s = {'t': torch.zeros(256 * 1024)}\n"
+        f"ck2 = Checkpointer(url, job='full', shm_dir='{tmp_path}/shm2', run_dir='{tmp_path}/run2')\n"
+        "print(json.dumps({'restored': ck2.restore(s), 'ok': bool((s['t'] == 1).all())}))\n"
+    )
+    env = {
+        **os.environ,
+        "FLASHCKPT_SHM_DIR": f"/dev/shm/fc-full-{os.getpid()}",
+        "FLASHCKPT_RUN_DIR": str(tmp_path / "run"),
+    }
+    try:
+        out = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=4m tmpfs "{disk}" && exec "$0" "$1"', sys.executable, str(script)],
+            capture_output=True, text=True, env=env, timeout=240, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(env["FLASHCKPT_SHM_DIR"], ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = (json.loads(x) for x in out.stdout.splitlines() if x.startswith("{"))
+    assert "full" in first["error"] and first["committed"] == 1
+    assert second == {"restored": 1, "ok": True}
