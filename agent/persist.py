@@ -38,6 +38,8 @@ class TierState:
     last_error: str = ""
     newest_in_memory: int = -1
     newest_published_at: float = 0.0
+    last_persist_seconds: float = 0.0
+    last_persist_bytes: int = 0
     committed_at: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -196,6 +198,8 @@ class TierWorker:
         self.state.bytes_persisted += written
         self.state.snapshots_persisted += 1
         self._last_persist_time = time.monotonic()
+        self.state.last_persist_seconds = self._last_persist_time - t0
+        self.state.last_persist_bytes = written
         log.info(
             "tier %s: committed step %d of job %s (%d ranks, %.1f MiB in %.2fs)",
             self.state.url, step, self.job, len(held), written / 2**20, time.monotonic() - t0,

@@ -79,6 +79,8 @@ class AgentService(pb_grpc.AgentServicer):
                     bytes_persisted=s.bytes_persisted,
                     snapshots_persisted=s.snapshots_persisted,
                     last_error=s.last_error,
+                    last_persist_seconds=s.last_persist_seconds,
+                    last_persist_bytes=s.last_persist_bytes,
                 )  # fmt: skip
             )
         return pb.GetTierStatusResponse(tiers=out)

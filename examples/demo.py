@@ -1,15 +1,20 @@
-"""Fault-tolerance demo: train 2 ranks under torchrun, SIGKILL one mid-run, resume, compare.
+"""Fault-tolerance demo: 2 ranks under torchrun, a local directory tier, the agent auto-started.
 
     make demo        (or: python examples/demo.py)
 
-Runs the same training twice: once undisturbed, once with rank 1 killed after step 29.
-torchrun restarts the workers, every rank restores the newest step all ranks hold, and the
-final weights must equal the undisturbed run's bit for bit.
+1. the reference: 60 steps, undisturbed;
+2. rank 1 is SIGKILLed after step 29; torchrun restarts the workers, which restore the
+   newest step every rank holds from shared memory;
+3. rank 1 is SIGKILLed after step 44 and the node's shared memory is lost with it; the
+   job is started again and restores from the local directory the agent persisted to.
+
+Both disturbed runs must end with weights identical, bit for bit, to the reference.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,39 +24,49 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(job: str, digest: Path, tiers: str, **env: str) -> float:
+def torchrun(job: str, tmp: Path, restarts: int = 3, **env: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "3", str(HERE / "train.py")]  # fmt: skip
-    full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(digest), "DEMO_TIERS": tiers,
-            "OMP_NUM_THREADS": "1", "LOGLEVEL": "ERROR", **env}  # fmt: skip
+           "--max-restarts", str(restarts), str(HERE / "train.py")]  # fmt: skip
+    full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(tmp / job), "OMP_NUM_THREADS": "1",
+            "LOGLEVEL": "ERROR", "DEMO_TIERS": f"file://{tmp / 'ckpt'}?keep_last=3", **env}  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
     )
     for line in proc.stdout.splitlines():
-        if line.startswith("[attempt"):
-            print("   ", line)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:])
-        raise SystemExit(f"torchrun failed with exit code {proc.returncode}")
-    return time.monotonic() - t0
+        if line.startswith("[attempt") or "restored step" in line:
+            print("   ", line.strip())
+    print(f"    ({time.monotonic() - t0:.1f}s, exit code {proc.returncode})")
+    return proc.returncode, proc.stdout
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory(prefix="flashckpt-demo-") as tmp:
-        tmp_path = Path(tmp)
-        tiers = os.environ.get("DEMO_TIERS", "")
+    tmp = Path(tempfile.mkdtemp(prefix="flashckpt-demo-"))
+    shm = Path(os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm/flashckpt"))
+    tag = os.getpid()
+    try:
         print("1) undisturbed run, 60 steps")
-        t_ref = torchrun(f"demo-ref-{os.getpid()}", tmp_path / "ref", tiers)
-        print("2) the same run, rank 1 SIGKILLed after step 29; torchrun restarts the workers")
-        t_ft = torchrun(f"demo-ft-{os.getpid()}", tmp_path / "ft", tiers, FAIL_AT_STEP="29")
-        ref, ft = (tmp_path / "ref").read_text(), (tmp_path / "ft").read_text()
-        print(f"undisturbed {t_ref:.1f}s, with a crash and restart {t_ft:.1f}s")
-        if ref != ft:
-            raise SystemExit("FAILED: the resumed run's weights differ from the undisturbed run's")
-        print(
-            "OK: resumed from the snapshot of the crashed step; final weights identical bit for bit"
-        )
+        torchrun(f"demo-ref-{tag}", tmp)
+        print("2) rank 1 SIGKILLed after step 29; torchrun restarts the workers")
+        torchrun(f"demo-crash-{tag}", tmp, FAIL_AT_STEP="29")
+        print("3) rank 1 SIGKILLed after step 44 and the node's shared memory lost with it")
+        job = f"demo-node-{tag}"
+        code, _ = torchrun(job, tmp, restarts=0, FAIL_AT_STEP="44")
+        assert code != 0, "the run was meant to fail"
+        time.sleep(2)  # the agent finishes persisting what the trainers left in memory
+        shutil.rmtree(shm / job, ignore_errors=True)
+        print("   shared memory wiped; starting the job again")
+        torchrun(job, tmp, FAIL_AT_STEP="-1")
+        ref = (tmp / f"demo-ref-{tag}").read_text()
+        results = {name: (tmp / f"demo-{name}-{tag}").read_text() for name in ("crash", "node")}
+        bad = [name for name, digest in results.items() if digest != ref]
+        if bad:
+            raise SystemExit(
+                f"FAILED: the resumed runs {bad} ended with weights that differ from the reference"
+            )
+        print("OK: both resumed runs end with weights identical bit for bit to the undisturbed run")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ attempt, so torchrun restarts the workers and they resume from the last snapshot
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import sys
@@ -25,6 +26,8 @@ TIERS = [t for t in os.environ.get("DEMO_TIERS", "").split(",") if t]
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="    %(message)s")
+    logging.getLogger("flashckpt.checkpointer").setLevel(logging.INFO)
     # A bounded timeout turns a hung collective into an error, which torchrun answers with a restart.
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
@@ -36,7 +39,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = {"model": model, "optim": opt}
 
-    ckpt = Checkpointer(*TIERS)  # line 1
+    ckpt = Checkpointer(*TIERS)  # line 1: memory, plus the tiers in DEMO_TIERS
     restored = ckpt.restore(state)
     start = 0 if restored is None else restored + 1
     if rank == 0:

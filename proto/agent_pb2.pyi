@@ -93,6 +93,8 @@ class TierStatus(_message.Message):
         "bytes_persisted",
         "snapshots_persisted",
         "last_error",
+        "last_persist_seconds",
+        "last_persist_bytes",
     )
     URL_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,8 @@ class TierStatus(_message.Message):
     BYTES_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_PERSIST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PERSIST_BYTES_FIELD_NUMBER: _ClassVar[int]
     url: str
     scope: TierScope
     health: TierHealth
@@ -112,6 +116,8 @@ class TierStatus(_message.Message):
     bytes_persisted: int
     snapshots_persisted: int
     last_error: str
+    last_persist_seconds: float
+    last_persist_bytes: int
     def __init__(
         self,
         url: str | None = ...,
@@ -123,6 +129,8 @@ class TierStatus(_message.Message):
         bytes_persisted: int | None = ...,
         snapshots_persisted: int | None = ...,
         last_error: str | None = ...,
+        last_persist_seconds: float | None = ...,
+        last_persist_bytes: int | None = ...,
     ) -> None: ...
 
 class GetTierStatusResponse(_message.Message):

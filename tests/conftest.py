@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -59,10 +60,8 @@ def run_dir(monkeypatch, tmp_path) -> Path:
     monkeypatch.setenv("FLASHCKPT_RUN_DIR", str(path))
     yield path
     for pidfile in path.glob("*.pid"):
-        try:
+        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
             os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -167,7 +167,8 @@ def test_retention_and_throttle(shm_dir, run_dir, tmp_path):
         for step in range(12):
             ck.save(step, {"t": torch.full((10,), step)})
             ck.wait(step, timeout=10)
-    assert all(b - a >= 5 for a, b in zip(committed(thr, "thr"), committed(thr, "thr")[1:]))
+    steps = committed(thr, "thr")
+    assert len(steps) >= 2 and all(b - a >= 5 for a, b in zip(steps, steps[1:], strict=False))
 
 
 def test_second_agent_for_a_job_refuses_and_metrics_are_served(shm_dir, run_dir, tmp_path):
@@ -272,3 +273,42 @@ def test_disk_full_fails_that_tier_and_keeps_older_steps(tmp_path):
     first, second = (json.loads(x) for x in out.stdout.splitlines() if x.startswith("{"))
     assert "full" in first["error"] and first["committed"] == 1
     assert second == {"restored": 1, "ok": True}
+
+
+def test_s3_outage_fails_only_that_tier_and_it_catches_up(
+    shm_dir, run_dir, tmp_path, s3_server, s3_bucket
+):
+    disk = f"file://{tmp_path / 'nvme'}"
+    s3 = f"s3://{s3_bucket}/run?retry_attempts=2&retry_backoff_s=0.05"
+    state = {"t": torch.zeros(3 * 2**20)}  # 12 MiB: a multipart upload
+    with Checkpointer(disk, s3, job="s3job", close_timeout=60) as ck:
+        state["t"].fill_(1)
+        ck.save(1, state)
+        assert ck.wait(1, tier=s3, timeout=60) == 1
+        s3_server.stop()
+        try:
+            for step in (2, 3):
+                state["t"].fill_(step)
+                ck.save(step, state)
+            assert ck.wait(3, tier=disk, timeout=60) == 3  # the disk tier keeps going
+            failing = wait_for(
+                lambda: [
+                    t for t in ck._agent.tier_status() if t.url.startswith("s3://") and t.last_error
+                ],
+                what="the S3 tier to report failing",
+            )
+            assert failing[0].last_committed_step == 1
+            assert "unreachable" in failing[0].last_error or "fail" in failing[0].last_error
+        finally:
+            s3_server.restart()
+        assert (
+            ck.wait(3, tier=s3, timeout=90) == 3
+        )  # it catches up to the newest, skipping none needed
+    assert committed(s3, "s3job")[-1] == 3
+    out = run_python(
+        "import torch; from flashckpt import Checkpointer\n"
+        "s = {'t': torch.zeros(3 * 2**20)}\n"
+        f"ck = Checkpointer({s3!r}, job='s3job', shm_dir={str(tmp_path / 'shm2')!r}, run_dir={str(tmp_path / 'run2')!r})\n"
+        "print(ck.restore(s), float(s['t'][0]))\n"
+    )
+    assert out.stdout.split() == ["3", "3.0"]

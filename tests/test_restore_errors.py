@@ -60,7 +60,7 @@ def test_nothing_saved_and_unknown_step(shm_dir):
     with Checkpointer(job="none") as ck:
         assert ck.restore({"a": torch.zeros(1)}) is None
         ck.save(4, {"a": torch.ones(1)})
-        with pytest.raises(CheckpointNotFoundError, match="step 9 .* not in shared memory"):
+        with pytest.raises(CheckpointNotFoundError, match="step 9 .* neither in shared memory"):
             ck.restore({"a": torch.zeros(1)}, step=9)
 
 

@@ -27,6 +27,7 @@ import pytest
 from flashckpt.storage_tiers import Scope, Tier, open_tier, parse_spec
 from flashckpt.storage_tiers.local import LocalTier
 from flashckpt.storage_tiers.parallel_fs import ParallelFsTier
+from s3fixture import FaultProxy, MotoS3
 
 from flashckpt.errors import (
     CheckpointNotFoundError,
