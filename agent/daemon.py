@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -17,6 +16,7 @@ from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
 from flashckpt import config
 from flashckpt.agent_client import socket_path
+from flashckpt.pidfile import PidFileBusy, lock_pidfile
 
 from .jobs import Job
 from .metrics import Metrics
@@ -34,18 +34,12 @@ def claim(run_dir: Path, job: str) -> int:
     """Lock ``<run_dir>/<job>.pid``: one agent per job per node."""
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(run_dir, 0o700)
-    fd = os.open(run_dir / f"{job}.pid", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        return lock_pidfile(run_dir / f"{job}.pid")
+    except PidFileBusy as busy:
         raise SystemExit(
-            f"an agent for job {job!r} already runs on this node (pid {pid}); stop it first or use it"
+            f"an agent for job {job!r} already runs on this node (pid {busy.pid}); stop it first or use it"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
 
 
 async def serve(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -177,24 +177,16 @@ class Checkpointer:
         """
         if tier is not None:
             return self._wait_tier(tier, step, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._check_open()
             self._settle()
-            self._pair.open_existing()
-        while True:
+
+        def in_memory() -> set[int]:
             with self._lock:
-                newest = max((s.header().step for s in self._pair.ready()), default=None)
-            if newest is not None and (step is None or newest >= step):
-                return newest
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"no snapshot{'' if step is None else f' of step {step}'} of job {self.job!r} "
-                    f"rank {self.rank} in shared memory after {timeout}s (newest: {newest})"
-                )
-            time.sleep(0.005)
-            with self._lock:
-                self._pair.open_existing()
+                self._pair.open_existing()  # another process may create the slots meanwhile
+                return {s.header().step for s in self._pair.ready()}
+
+        return self._wait_until(in_memory, step, timeout, f"shared memory ({self.shm_dir})", 0.005)
 
     def close(self) -> None:
         """Finish the snapshot in flight, wait for the tiers to commit the last step, stop
@@ -325,17 +317,23 @@ class Checkpointer:
         url = same[0]
         want = step if step is not None else self._last_saved
         source = TierSource(url, self.job, self.rank, verify=False)
+        return self._wait_until(source.steps, want, timeout, url, 0.1)
+
+    def _wait_until(self, steps: Callable[[], set[int]], want: int | None, timeout: float | None,
+                    where: str, interval: float) -> int:  # fmt: skip
+        """Poll ``steps()`` until it holds ``want`` or later (any step if None); the newest."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            newest = max(source.steps(), default=None)
+            newest = max(steps(), default=None)
             if newest is not None and (want is None or newest >= want):
                 return newest
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"step {want} of job {self.job!r} rank {self.rank} not committed in {url} after "
-                    f"{timeout}s (newest there: {newest}); the agent's log in {self.run_dir} says why"
+                    f"step {'(any)' if want is None else want} of job {self.job!r} rank {self.rank} "
+                    f"is not in {where} after {timeout}s (newest there: {newest}); for a tier, the "
+                    f"agent's log in {self.run_dir} says why"
                 )
-            time.sleep(0.1)
+            time.sleep(interval)
 
     def _persisted_everywhere(self) -> bool:
         """Wait (up to close_timeout) until every tier committed the last step or is failing."""

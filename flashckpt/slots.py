@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from .errors import ManifestError, RankBusyError, SharedMemoryError
 from .manifest import Manifest
+from .pidfile import PidFileBusy, lock_pidfile
 from .slot import Slot, SlotHeader, SlotState, shm_space_error
 
 N_SLOTS = 2
@@ -103,19 +103,13 @@ class SlotPair:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as exc:
             raise SharedMemoryError(exc.errno, f"cannot create {self.dir}: {exc.strerror}") from exc
-        path = self.dir / f"rank-{self.rank}.owner"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
+            fd = lock_pidfile(self.dir / f"rank-{self.rank}.owner")
+        except PidFileBusy as busy:
             raise RankBusyError(
-                f"rank {self.rank} of job {self.job!r} is already saving from pid {pid}; "
+                f"rank {self.rank} of job {self.job!r} is already saving from pid {busy.pid}; "
                 "give each process its own rank (or job), or stop the other process first"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._owner_fd = fd
 
     def release(self) -> None:

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -20,7 +18,6 @@ class TierHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HEALTH_UNSPECIFIED: _ClassVar[TierHealth]
     TIER_HEALTH_OK: _ClassVar[TierHealth]
     TIER_HEALTH_FAILING: _ClassVar[TierHealth]
-
 TIER_SCOPE_UNSPECIFIED: TierScope
 TIER_SCOPE_NODE: TierScope
 TIER_SCOPE_SHARED: TierScope
@@ -42,15 +39,7 @@ class RegisterTrainerRequest(_message.Message):
     pid: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
     shm_dir: str
-    def __init__(
-        self,
-        job: str | None = ...,
-        rank: int | None = ...,
-        world_size: int | None = ...,
-        pid: int | None = ...,
-        tiers: _Iterable[str] | None = ...,
-        shm_dir: str | None = ...,
-    ) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ...) -> None: ...
 
 class RegisterTrainerResponse(_message.Message):
     __slots__ = ("agent_id", "tiers")
@@ -58,7 +47,7 @@ class RegisterTrainerResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, agent_id: str | None = ..., tiers: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SnapshotReadyRequest(_message.Message):
     __slots__ = ("job", "rank", "step")
@@ -68,9 +57,7 @@ class SnapshotReadyRequest(_message.Message):
     job: str
     rank: int
     step: int
-    def __init__(
-        self, job: str | None = ..., rank: int | None = ..., step: int | None = ...
-    ) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SnapshotReadyResponse(_message.Message):
     __slots__ = ()
@@ -80,22 +67,10 @@ class GetTierStatusRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: str | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = (
-        "url",
-        "scope",
-        "health",
-        "last_committed_step",
-        "lag_steps",
-        "lag_seconds",
-        "bytes_persisted",
-        "snapshots_persisted",
-        "last_error",
-        "last_persist_seconds",
-        "last_persist_bytes",
-    )
+    __slots__ = ("url", "scope", "health", "last_committed_step", "lag_steps", "lag_seconds", "bytes_persisted", "snapshots_persisted", "last_error", "last_persist_seconds", "last_persist_bytes")
     URL_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -118,32 +93,19 @@ class TierStatus(_message.Message):
     last_error: str
     last_persist_seconds: float
     last_persist_bytes: int
-    def __init__(
-        self,
-        url: str | None = ...,
-        scope: TierScope | str | None = ...,
-        health: TierHealth | str | None = ...,
-        last_committed_step: int | None = ...,
-        lag_steps: int | None = ...,
-        lag_seconds: float | None = ...,
-        bytes_persisted: int | None = ...,
-        snapshots_persisted: int | None = ...,
-        last_error: str | None = ...,
-        last_persist_seconds: float | None = ...,
-        last_persist_bytes: int | None = ...,
-    ) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., scope: _Optional[_Union[TierScope, str]] = ..., health: _Optional[_Union[TierHealth, str]] = ..., last_committed_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., bytes_persisted: _Optional[int] = ..., snapshots_persisted: _Optional[int] = ..., last_error: _Optional[str] = ..., last_persist_seconds: _Optional[float] = ..., last_persist_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTierStatusResponse(_message.Message):
     __slots__ = ("tiers",)
     TIERS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
-    def __init__(self, tiers: _Iterable[TierStatus | _Mapping] | None = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: str | None = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class MemorySnapshot(_message.Message):
     __slots__ = ("rank", "step", "sealed")
@@ -153,9 +115,7 @@ class MemorySnapshot(_message.Message):
     rank: int
     step: int
     sealed: bool
-    def __init__(
-        self, rank: int | None = ..., step: int | None = ..., sealed: bool | None = ...
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
 
 class TierSteps(_message.Message):
     __slots__ = ("url", "committed_steps")
@@ -163,9 +123,7 @@ class TierSteps(_message.Message):
     COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     url: str
     committed_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self, url: str | None = ..., committed_steps: _Iterable[int] | None = ...
-    ) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., committed_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("memory", "tiers")
@@ -173,11 +131,7 @@ class ListSnapshotsResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     memory: _containers.RepeatedCompositeFieldContainer[MemorySnapshot]
     tiers: _containers.RepeatedCompositeFieldContainer[TierSteps]
-    def __init__(
-        self,
-        memory: _Iterable[MemorySnapshot | _Mapping] | None = ...,
-        tiers: _Iterable[TierSteps | _Mapping] | None = ...,
-    ) -> None: ...
+    def __init__(self, memory: _Optional[_Iterable[_Union[MemorySnapshot, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierSteps, _Mapping]]] = ...) -> None: ...
 
 class FetchRestoreRequest(_message.Message):
     __slots__ = ("job", "rank", "step")
@@ -187,9 +141,7 @@ class FetchRestoreRequest(_message.Message):
     job: str
     rank: int
     step: int
-    def __init__(
-        self, job: str | None = ..., rank: int | None = ..., step: int | None = ...
-    ) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RestoreSource(_message.Message):
     __slots__ = ("url", "step")
@@ -197,10 +149,10 @@ class RestoreSource(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     url: str
     step: int
-    def __init__(self, url: str | None = ..., step: int | None = ...) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class FetchRestoreResponse(_message.Message):
     __slots__ = ("sources",)
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[RestoreSource]
-    def __init__(self, sources: _Iterable[RestoreSource | _Mapping] | None = ...) -> None: ...
+    def __init__(self, sources: _Optional[_Iterable[_Union[RestoreSource, _Mapping]]] = ...) -> None: ...
