@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first: a bare torch requirement would pull the CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	# Pin exactly the build just installed (e.g. 2.13.0+cpu), so resolving the rest never
+	# backtracks into another torch build.
+	$(VENV)/bin/pip install -q -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
 setup: $(STAMP)
