@@ -7,9 +7,11 @@ if there is none does ``run`` copy the bytes, verifying each entry's checksums f
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,12 @@ from .manifest import Entry, Manifest, decode_scalar, dtype_from_name
 
 Producer = Callable[["Source"], Any]
 MAX_LISTED = 10
+_OVERLAP_MIN = 1 << 20  # entries this large are verified on a helper thread during the copy
+
+
+@functools.cache
+def _checker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="flashckpt-verify")
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,29 @@ class Source:
     where: str
     verify: bool = True
 
-    def view(self, entry: Entry, chunk_size: int) -> torch.Tensor:
-        if self.verify:
-            verify_entry(memoryview(self.data.numpy()), entry, chunk_size, self.where)
+    def _raw(self, entry: Entry) -> torch.Tensor:
         raw = self.data[entry.offset : entry.offset + entry.nbytes]
         return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
+
+    def _check(self, entry: Entry, chunk_size: int) -> None:
+        verify_entry(memoryview(self.data.numpy()), entry, chunk_size, self.where)
+
+    def view(self, entry: Entry, chunk_size: int) -> torch.Tensor:
+        """The entry's bytes as a tensor, verified first."""
+        if self.verify:
+            self._check(entry, chunk_size)
+        return self._raw(entry)
+
+    def copy_to(self, dst: torch.Tensor, entry: Entry, chunk_size: int) -> None:
+        """Copy the entry into ``dst`` while a helper thread verifies it: crc32c and the copy
+        both release the GIL, so the check costs little wall time. A mismatch still raises,
+        and the caller falls back to another source, which rewrites every entry."""
+        if not self.verify or entry.nbytes < _OVERLAP_MIN:
+            copy_into(dst, self.view(entry, chunk_size))
+            return
+        check = _checker().submit(self._check, entry, chunk_size)
+        copy_into(dst, self._raw(entry))
+        check.result()
 
 
 def _decode_key(node: Any) -> Any:
@@ -175,7 +201,7 @@ class Planner:
         dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
 
         def produce(src: Source) -> Any:
-            copy_into(dst, src.view(e, cs))
+            src.copy_to(dst, e, cs)
             return target
 
         return produce
