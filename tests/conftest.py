@@ -59,7 +59,7 @@ def run_dir(monkeypatch, tmp_path) -> Path:
     )  # short: unix socket paths are limited
     monkeypatch.setenv("FLASHCKPT_RUN_DIR", str(path))
     yield path
-    for pidfile in path.glob("*.pid"):
+    for pidfile in path.rglob("*.pid"):
         with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
             os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
     shutil.rmtree(path, ignore_errors=True)
