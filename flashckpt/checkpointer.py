@@ -171,10 +171,9 @@ class Checkpointer:
     def wait(
         self, step: int | None = None, tier: str | None = None, timeout: float | None = None
     ) -> int:
-        """Block until a snapshot (the newest, or ``step`` or later) is in shared memory.
-
-        Works from any process of the job that names the same job and rank. Returns the step.
-        """
+        """Block until a snapshot (the newest, or ``step`` or later) is in shared memory, or,
+        with ``tier``, committed in that tier. Works from any process of the job that names
+        the same job and rank. Returns the step; TimeoutError after ``timeout`` seconds."""
         if tier is not None:
             return self._wait_tier(tier, step, timeout)
         with self._lock:
