@@ -30,6 +30,7 @@ class Job:
     def __init__(self, name: str, shm_dir: Path, node: str, metrics=None):
         self.name, self.shm_dir, self.node, self.metrics = name, shm_dir, node, metrics
         self.trainers: dict[int, int] = {}  # rank -> pid
+        self.final_step = -1  # the newest step a closing trainer asked to flush past throttles
         self.workers: dict[str, TierWorker] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -38,6 +39,7 @@ class Job:
         if url in self.workers:
             return self.workers[url]
         worker = TierWorker(self.name, open_tier(url), self.shm_dir, self.node, self.metrics)
+        worker.final_step = lambda: self.final_step
         self.workers[url] = worker
         await worker.start()
         self._tasks.append(asyncio.create_task(worker.run(), name=f"persist {url}"))

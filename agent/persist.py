@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,7 @@ class TierWorker:
         self._last_persist_time = 0.0
         self._busy = False
         self._stopping = False
+        self.final_step: Callable[[], int] = lambda: -1
 
     @property
     def idle(self) -> bool:
@@ -212,6 +214,8 @@ class TierWorker:
         return step
 
     def _throttled(self, step: int) -> bool:
+        if step <= self.final_step():  # a closing trainer's last step always goes out
+            return False
         if (
             self.every_steps
             and self.state.last_committed >= 0

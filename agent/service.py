@@ -60,7 +60,10 @@ class AgentService(pb_grpc.AgentServicer):
         return pb.RegisterTrainerResponse(agent_id=self.agent_id, tiers=list(job.workers))
 
     async def SnapshotReady(self, request, context):
-        (await self.job(request.job, context)).wake()
+        job = await self.job(request.job, context)
+        if request.final:
+            job.final_step = max(job.final_step, request.step)
+        job.wake()
         return pb.SnapshotReadyResponse()
 
     async def GetTierStatus(self, request, context):

@@ -93,12 +93,13 @@ class AgentClient:
                 f"the flashckpt agent refused rank {rank}: {exc.details()}"
             ) from exc
 
-    def notify(self, rank: int, step: int) -> None:
+    def notify(self, rank: int, step: int, final: bool = False) -> None:
         """Tell the agent a snapshot is READY; fire and forget (it also polls)."""
         # Agent death stops persistence, never training: errors are dropped.
         with contextlib.suppress(Exception):
             self.stub.SnapshotReady.future(
-                self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step), timeout=5
+                self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step, final=final),
+                timeout=5,
             )
 
     def tier_status(self, timeout: float = 5) -> list:

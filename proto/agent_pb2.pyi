@@ -50,14 +50,16 @@ class RegisterTrainerResponse(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SnapshotReadyRequest(_message.Message):
-    __slots__ = ("job", "rank", "step")
+    __slots__ = ("job", "rank", "step", "final")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    final: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReadyResponse(_message.Message):
     __slots__ = ()
