@@ -5,16 +5,19 @@
 1. the reference: 60 steps, undisturbed;
 2. rank 1 is SIGKILLed after step 29; torchrun restarts the workers, which restore the
    newest step every rank holds from shared memory;
-3. rank 1 is SIGKILLed after step 44 and the node's shared memory is lost with it; the
-   job is started again and restores from the local directory the agent persisted to.
+3. rank 1 and its launcher are SIGKILLed after step 44 and the node's shared memory is lost
+   with them; the job is started again and restores from the local directory the agent
+   persisted to.
 
 Both disturbed runs must end with weights identical, bit for bit, to the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,20 +27,29 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(job: str, tmp: Path, restarts: int = 3, **env: str) -> tuple[int, str]:
+def torchrun(job: str, tmp: Path, **env: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), str(HERE / "train.py")]  # fmt: skip
+           "--max-restarts", "8", str(HERE / "train.py")]  # fmt: skip
     full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(tmp / job), "OMP_NUM_THREADS": "1",
             "LOGLEVEL": "ERROR", "DEMO_TIERS": f"file://{tmp / 'ckpt'}?keep_last=3", **env}  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    # Its own process group: if the launcher is killed, the driver still reaps its workers.
+    proc = subprocess.Popen(
+        cmd,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    for line in proc.stdout.splitlines():
+    out, _ = proc.communicate(timeout=600)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for line in out.splitlines():
         if line.startswith("[attempt") or "restored step" in line:
             print("   ", line.strip())
     print(f"    ({time.monotonic() - t0:.1f}s, exit code {proc.returncode})")
-    return proc.returncode, proc.stdout
+    return proc.returncode, out
 
 
 def main() -> None:
@@ -49,9 +61,9 @@ def main() -> None:
         torchrun(f"demo-ref-{tag}", tmp)
         print("2) rank 1 SIGKILLed after step 29; torchrun restarts the workers")
         torchrun(f"demo-crash-{tag}", tmp, FAIL_AT_STEP="29")
-        print("3) rank 1 SIGKILLed after step 44 and the node's shared memory lost with it")
+        print("3) rank 1 and its launcher SIGKILLed after step 44; the node's shared memory lost")
         job = f"demo-node-{tag}"
-        code, _ = torchrun(job, tmp, restarts=0, FAIL_AT_STEP="44")
+        code, _ = torchrun(job, tmp, FAIL_AT_STEP="44", NODE_LOST="1")
         assert code != 0, "the run was meant to fail"
         time.sleep(2)  # the agent finishes persisting what the trainers left in memory
         shutil.rmtree(shm / job, ignore_errors=True)

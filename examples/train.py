@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -22,14 +23,19 @@ from flashckpt import Checkpointer
 STEPS = int(os.environ.get("STEPS", "60"))
 FAIL_AT = int(os.environ.get("FAIL_AT_STEP", "-1"))
 FAIL_RANK = int(os.environ.get("FAIL_RANK", "1"))
+NODE_LOST = os.environ.get("NODE_LOST") == "1"
 TIERS = [t for t in os.environ.get("DEMO_TIERS", "").split(",") if t]
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="    %(message)s")
     logging.getLogger("flashckpt.checkpointer").setLevel(logging.INFO)
-    # A bounded timeout turns a hung collective into an error, which torchrun answers with a restart.
+    # Bounded waits turn a hang into an exit, which torchrun answers with a restart: gloo's
+    # connect at init can stall on a loaded machine, and a collective whose peer died never ends.
+    joined = threading.Event()
+    threading.Thread(target=lambda: joined.wait(30) or os._exit(3), daemon=True).start()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    joined.set()
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
@@ -58,10 +64,10 @@ def main() -> None:
         opt.zero_grad()
         ckpt.save(step, state)  # line 2
         if step == FAIL_AT and rank == FAIL_RANK and attempt == 0:
-            print(
-                f"[attempt {attempt}] rank {rank} is killed with SIGKILL after step {step}",
-                flush=True,
-            )
+            lost = " and its launcher are" if NODE_LOST else " is"
+            print(f"[attempt {attempt}] rank {rank}{lost} SIGKILLed after step {step}", flush=True)
+            if NODE_LOST:  # the launcher goes too, as when the whole node is lost
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
     ckpt.close()
