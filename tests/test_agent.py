@@ -315,3 +315,28 @@ def test_s3_outage_fails_only_that_tier_and_it_catches_up(
         "print(ck.restore(s), float(s['t'][0]))\n"
     )
     assert out.stdout.split() == ["3", "3.0"]
+
+
+def test_list_and_fetch_restore_rpcs(shm_dir, run_dir, tmp_path):
+    url = f"file://{tmp_path / 'nvme'}"
+    with Checkpointer(url, job="rpc") as ck:
+        for step in (1, 2):
+            ck.save(step, {"t": torch.ones(1000) * step})
+        ck.wait(2, tier=url, timeout=60)
+        pb, stub = ck._agent.pb, ck._agent.stub
+        listing = stub.ListSnapshots(pb.ListSnapshotsRequest(job="rpc"), timeout=30)
+        assert sorted((m.rank, m.step) for m in listing.memory) == [(0, 1), (0, 2)]
+        assert [list(t.committed_steps)[-1] for t in listing.tiers] == [2]
+        plan = stub.FetchRestore(pb.FetchRestoreRequest(job="rpc", rank=0), timeout=30)
+        assert [(s.url, s.step) for s in plan.sources][:2] == [("memory", 2), ("memory", 1)]
+        assert (url, 2) in [(s.url, s.step) for s in plan.sources]
+        only = stub.FetchRestore(pb.FetchRestoreRequest(job="rpc", rank=0, step=1), timeout=30)
+        assert {s.step for s in only.sources} == {1}
+        import grpc
+
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SnapshotReady(pb.SnapshotReadyRequest(job="../etc", rank=0, step=1), timeout=30)
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "job name" in err.value.details()
+        )
