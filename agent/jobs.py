@@ -38,8 +38,10 @@ class Job:
         """Start persisting to ``url`` (idempotent per URL)."""
         if url in self.workers:
             return self.workers[url]
-        worker = TierWorker(self.name, open_tier(url), self.shm_dir, self.node, self.metrics)
-        worker.final_step = lambda: self.final_step
+        worker = TierWorker(
+            self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
+            final_step=lambda: self.final_step,
+        )  # fmt: skip
         self.workers[url] = worker
         await worker.start()
         self._tasks.append(asyncio.create_task(worker.run(), name=f"persist {url}"))

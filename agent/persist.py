@@ -103,8 +103,13 @@ class SlotReader:
 class TierWorker:
     """Persists one job's snapshots into one tier."""
 
-    def __init__(self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5):
+    def __init__(
+        self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
+        final_step: Callable[[], int] = lambda: -1,
+    ) -> None:  # fmt: skip
+        """``final_step()`` is the newest step a closing trainer asked to flush past throttles."""
         self.job, self.tier, self.node = job, tier, node
+        self.final_step = final_step
         self.reader = SlotReader(shm_dir, job)
         self.state = TierState(tier.spec.url, tier.spec.scope.value)
         self.metrics = metrics
@@ -118,7 +123,6 @@ class TierWorker:
         self._last_persist_time = 0.0
         self._busy = False
         self._stopping = False
-        self.final_step: Callable[[], int] = lambda: -1
 
     @property
     def idle(self) -> bool:

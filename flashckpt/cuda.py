@@ -23,10 +23,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def available() -> bool:
-    return torch.cuda.is_available()
-
-
 def host_register(t: torch.Tensor) -> bool:
     """Page-lock the memory under ``t`` (a slot's mapping). False if the driver refuses."""
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)

@@ -37,12 +37,6 @@ def ranks_in(shm_dir: Path, job: str) -> list[int]:
     return sorted({int(m.group(1)) for p in d.iterdir() if (m := _SLOT_RE.match(p.name))})
 
 
-def jobs_in(shm_dir: Path) -> list[str]:
-    if not shm_dir.is_dir():
-        return []
-    return sorted(p.name for p in shm_dir.iterdir() if p.is_dir() and ranks_in(shm_dir, p.name))
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """A READY slot as seen by a reader holding its shared lock."""
