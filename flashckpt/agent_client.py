@@ -31,6 +31,7 @@ class AgentClient:
         self.socket = socket_path(run_dir, job)
         self.channel = grpc.insecure_channel(f"unix:{self.socket}")
         self.stub = pb_grpc.AgentStub(self.channel)
+        self._inflight: list[grpc.Future] = []  # notices not yet answered
 
     def ready(self, timeout: float) -> bool:
         try:
@@ -93,14 +94,27 @@ class AgentClient:
                 f"the flashckpt agent refused rank {rank}: {exc.details()}"
             ) from exc
 
-    def notify(self, rank: int, step: int, final: bool = False) -> None:
-        """Tell the agent a snapshot is READY; fire and forget (it also polls)."""
-        # Agent death stops persistence, never training: errors are dropped.
+    def notify(self, rank: int, step: int, final: bool = False) -> bool:
+        """Tell the agent a snapshot is READY.
+
+        A plain notice is fire and forget (the agent also polls), but its call is kept
+        referenced until it completes: grpc cancels a call whose future is collected. A
+        ``final`` notice (a closing trainer's last step, which must pass any throttle) waits
+        for the answer; returns whether the agent has it. Agent death stops persistence,
+        never training: errors are dropped.
+        """
+        req = self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step, final=final)
+        if final:
+            try:
+                self.stub.SnapshotReady(req, timeout=30)
+                return True
+            except grpc.RpcError as exc:
+                log.warning("the agent did not take the final step %d: %s", step, exc.details())
+                return False
+        self._inflight = [f for f in self._inflight if not f.done()]
         with contextlib.suppress(Exception):
-            self.stub.SnapshotReady.future(
-                self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step, final=final),
-                timeout=5,
-            )
+            self._inflight.append(self.stub.SnapshotReady.future(req, timeout=5))
+        return True
 
     def tier_status(self, timeout: float = 5) -> list:
         return list(

@@ -339,7 +339,8 @@ class Checkpointer:
         if not self.tiers or self._last_saved is None or self._agent is None:
             return True
         step = self._last_saved
-        self._agent.notify(self.rank, step, final=True)  # through any throttle
+        if not self._agent.notify(self.rank, step, final=True):  # through any throttle
+            return False
         deadline = time.monotonic() + self.close_timeout
         while time.monotonic() < deadline:
             try:
