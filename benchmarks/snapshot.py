@@ -72,7 +72,6 @@ def cpu(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    os.environ.setdefault("FLASHCKPT_SHM_DIR", f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -160,7 +159,6 @@ def cpu(args: argparse.Namespace) -> None:
 
 
 def gpu(args: argparse.Namespace) -> None:
-    os.environ.setdefault("FLASHCKPT_SHM_DIR", f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}")
     model, opt = build(args.params_m, "cuda")
     train_step(model, opt, "cuda")
     state = {"model": model, "optim": opt}
@@ -225,7 +223,12 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    (gpu if args.device == "cuda" else cpu)(args)
+    shm = f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}"
+    os.environ.setdefault("FLASHCKPT_SHM_DIR", shm)
+    try:
+        (gpu if args.device == "cuda" else cpu)(args)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)  # only the directory this run made
 
 
 if __name__ == "__main__":

@@ -34,6 +34,16 @@ def chunk_checksums(
     return out
 
 
+def chunk_mismatch(where: str, entry: Entry, i: int, got: int, chunk_size: int) -> ChecksumError:
+    """The error for chunk ``i`` of ``entry`` reading as ``got``."""
+    start, end = entry.chunk_ranges(chunk_size)[i]
+    return ChecksumError(
+        f"{where}: chunk {i} of {entry.path!r} (bytes {start}-{end}) has crc32c {got:08x}, "
+        f"the manifest recorded {entry.checksums[i]:08x}; the copy is corrupt, restore "
+        "from another tier or an older step"
+    )
+
+
 def verify_entry(data: memoryview, entry: Entry, chunk_size: int, where: str) -> None:
     """Raise ChecksumError naming the entry and chunk if ``data`` does not match ``entry``."""
     if entry.checksums is None:
@@ -41,8 +51,4 @@ def verify_entry(data: memoryview, entry: Entry, chunk_size: int, where: str) ->
     for i, (start, end) in enumerate(entry.chunk_ranges(chunk_size)):
         got = crc(data[start:end])
         if got != entry.checksums[i]:
-            raise ChecksumError(
-                f"{where}: chunk {i} of {entry.path!r} (bytes {start}-{end}) has crc32c {got:08x}, "
-                f"the manifest recorded {entry.checksums[i]:08x}; the copy is corrupt, restore "
-                "from another tier or an older step"
-            )
+            raise chunk_mismatch(where, entry, i, got, chunk_size)

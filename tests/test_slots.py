@@ -100,15 +100,17 @@ def test_wait_from_another_process(shm_dir):
 
 
 def test_corrupt_snapshot_falls_back_to_the_older_one(shm_dir, caplog):
-    # 4 MB: verified on the helper thread while it is copied, the path large entries take
-    n = 1_000_000
+    # 12 MB in three 4 MiB chunks: copied and verified by the restore workers, the path large
+    # entries take; the flipped byte is in the last chunk, which the first worker never sees
+    n = 3_000_000
     with Checkpointer(job="crc") as ck:
         ck.save(1, {"t": torch.ones(n)})
         ck.save(2, {"t": torch.ones(n) * 2})
         ck._sealer.drain(10)
         newest = next(s for s in ck._pair.slots if s.header().step == 2)
         assert newest.header().sealed
-        newest.buf[4096 + 3 * 2**20] ^= 0xFF  # flip a byte in chunk 0 of step 2's data
+        newest.buf[4096 + 3 * 2**20 + 2 * 4 * 2**20] ^= 0xFF  # a byte in chunk 2 of step 2's data
         out = {"t": torch.zeros(n)}
         assert ck.restore(out) == 1 and torch.equal(out["t"], torch.ones(n))
+        assert "chunk 2 of 't'" in caplog.text
         assert "crc32c" in caplog.text and "corrupt" in caplog.text
