@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,13 @@ class Entry:
     def n_chunks(self, chunk_size: int) -> int:
         return -(-self.nbytes // chunk_size)
 
+    def to_doc(self) -> dict:
+        """This entry as the JSON object the manifest stores."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.shard is not None:
+            doc["shard"] = {f.name: getattr(self.shard, f.name) for f in fields(self.shard)}
+        return doc
+
     def chunk_ranges(self, chunk_size: int) -> list[tuple[int, int]]:
         """(start, end) byte ranges of this entry's chunks, in data coordinates."""
         return [
@@ -115,7 +122,10 @@ class Manifest:
 
     # ---- JSON ------------------------------------------------------------------------
     def to_json(self) -> bytes:
-        doc = asdict(self)
+        # Built by hand: dataclasses.asdict deep-copies the tree and costs milliseconds per
+        # save for a real model's state; the tree is JSON-ready already.
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["entries"] = [e.to_doc() for e in self.entries]
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod

@@ -15,7 +15,7 @@ from flashckpt import (
     ManifestError,
     StateMismatchError,
 )
-from flashckpt.manifest import Manifest
+from flashckpt.manifest import Entry, Manifest, ShardInfo
 
 
 def test_wrong_shape_model_lists_mismatches_and_loads_nothing(shm_dir):
@@ -62,6 +62,23 @@ def test_nothing_saved_and_unknown_step(shm_dir):
         ck.save(4, {"a": torch.ones(1)})
         with pytest.raises(CheckpointNotFoundError, match="step 9 .* neither in shared memory"):
             ck.restore({"a": torch.zeros(1)}, step=9)
+
+
+def test_manifest_json_round_trips_entries_shards_and_checksums():
+    shard = ShardInfo((8, 4), (4, 0), ("Shard(dim=0)",), (2,))
+    entries = (
+        Entry("w", "tensor", "bfloat16", (4, 4), 0, 32, 0, (0xDEADBEEF,), shard),
+        Entry("o", "pickle", "uint8", (5,), 32, 5, 1),
+    )
+    tree = {"t": "dict", "items": [["w", {"t": "tensor", "i": 0}], ["o", {"t": "pickle", "i": 1}]]}
+    m = Manifest("j", 3, 7, tree, entries, 37, chunk_size=16, world_size=2, meta={"k": [1, 2]})
+    doc = json.loads(m.to_json())
+    assert doc["entries"][0]["shard"] == {
+        "global_shape": [8, 4], "global_offset": [4, 0],
+        "placements": ["Shard(dim=0)"], "mesh_shape": [2],
+    }  # fmt: skip
+    assert doc["entries"][1]["checksums"] is None and doc["entries"][1]["shard"] is None
+    assert Manifest.from_json(m.to_json()) == m
 
 
 def test_newer_manifest_format_is_refused():
