@@ -75,7 +75,7 @@ async def serve(
         for jb in service.jobs.values():
             jb.release_closed_ranks()
         if exit_when_idle is not None:
-            quiet = all(not jb.trainers_alive() and jb.idle() for jb in service.jobs.values())
+            quiet = all(not jb.trainers.alive() and jb.idle() for jb in service.jobs.values())
             idle_since = (idle_since or loop.time()) if quiet else None
             if idle_since is not None and loop.time() - idle_since >= exit_when_idle:
                 log.info(

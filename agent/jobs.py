@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 
 from flashckpt.storage_tiers import open_tier
@@ -12,25 +11,15 @@ from flashckpt.storage_tiers import open_tier
 from flashckpt.slots import N_SLOTS, slot_path
 
 from .persist import TierWorker
+from .trainers import Trainers
 
 log = logging.getLogger(__name__)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 class Job:
     def __init__(self, name: str, shm_dir: Path, node: str, metrics=None):
         self.name, self.shm_dir, self.node, self.metrics = name, shm_dir, node, metrics
-        self.trainers: dict[int, int] = {}  # rank -> pid
-        self.final_step = -1  # the newest step a closing trainer asked to flush past throttles
+        self.trainers = Trainers()
         self.workers: dict[str, TierWorker] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -40,7 +29,7 @@ class Job:
             return self.workers[url]
         worker = TierWorker(
             self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
-            final_step=lambda: self.final_step,
+            trainers=self.trainers,
         )  # fmt: skip
         self.workers[url] = worker
         await worker.start()
@@ -51,9 +40,6 @@ class Job:
     def wake(self) -> None:
         for w in self.workers.values():
             w.wake.set()
-
-    def trainers_alive(self) -> bool:
-        return any(pid_alive(pid) for pid in self.trainers.values())
 
     def idle(self) -> bool:
         return all(w.idle for w in self.workers.values())

@@ -1,9 +1,10 @@
 """One tier's persistence loop: stream the newest snapshot every local rank holds, commit it.
 
 The loop takes the newest step that every rank of the job on this node holds READY, so a
-slow tier skips ahead rather than queueing. Each rank's slot is read under a shared lock
-(the trainer then writes into its other slot), straight from the mapping. The node's commit
-marker is put only after every rank's manifest.
+slow tier skips ahead rather than queueing. Every rank's slot of that step is held under a
+shared lock for the whole round (the trainers write into their other slot meanwhile), and the
+ranks are stored concurrently, straight from the mappings. The node's commit marker is put
+only after every rank's manifest.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flashckpt.storage_tiers.registry import option
 
 from flashckpt import tier_io
 from flashckpt.checksum import chunk_checksums
 from flashckpt.manifest import Manifest
 from flashckpt.slot import Slot
-from flashckpt.slots import N_SLOTS, ranks_in, read_locked, slot_path
+from flashckpt.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
+
+from .trainers import Trainers
 
 log = logging.getLogger(__name__)
 
@@ -105,21 +109,23 @@ class TierWorker:
 
     def __init__(
         self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
-        final_step: Callable[[], int] = lambda: -1,
+        trainers: Trainers | None = None,
     ) -> None:  # fmt: skip
-        """``final_step()`` is the newest step a closing trainer asked to flush past throttles."""
+        """``trainers`` is the job's registry on this node, shared by all its tiers."""
         self.job, self.tier, self.node = job, tier, node
-        self.final_step = final_step
+        self.trainers = trainers if trainers is not None else Trainers()
         self.reader = SlotReader(shm_dir, job)
         self.state = TierState(tier.spec.url, tier.spec.scope.value)
         self.metrics = metrics
         self.poll_s = poll_s
         self.wake = asyncio.Event()
-        opts = tier.spec.options
-        self.every_steps = int(opts.get("every_steps", 0) or 0)
-        self.every_seconds = float(opts.get("every_seconds", 0) or 0)
-        self.keep_last = int(opts["keep_last"]) if opts.get("keep_last") else None
-        self.keep_every = int(opts["keep_every"]) if opts.get("keep_every") else None
+        spec = tier.spec  # options were checked when the URL was parsed
+        self.every_steps = option(spec, "every_steps", 0, int)
+        self.every_seconds = option(spec, "every_seconds", 0.0, float)
+        self.keep_last = option(spec, "keep_last", 0, int) or None
+        self.keep_every = option(spec, "keep_every", 0, int) or None
+        # ranks of one step stored at once (each upload is itself parallel for S3)
+        self.rank_concurrency = option(spec, "rank_concurrency", 0, int) or 4
         self._last_persist_time = 0.0
         self._busy = False
         self._stopping = False
@@ -184,20 +190,33 @@ class TierWorker:
                 for s, slot in steps.items()
                 if s == newest
             )
-        common = set.intersection(*(set(steps) for steps in held.values()))
+        required = self.trainers.required()
+        if required is None:
+            self._report()
+            return None
+        # Every local rank with slots or a live registered trainer must hold the step: a step
+        # stored without one of them could never be completed later.
+        required |= set(ranks_in(self.reader.shm_dir, self.job))
+        common = set.intersection(*(set(held.get(r, ())) for r in required | set(held)))
         step = max(common, default=None)
         if step is None or step <= self.state.last_committed or self._throttled(step):
             self._report()
             return None
         t0 = time.monotonic()
-        written, world = 0, 0
-        for rank in sorted(held):
-            n, world_size = await self._persist_rank(held[rank][step], step)
-            if n is None:
-                return None  # the trainer took the slot back meanwhile; try again next round
-            written += n
-            world = max(world, world_size or 0)
-        world = world or len(held)
+        # Every rank's copy of the step is locked before any is read, for the whole round:
+        # trainers go on saving into their other slot, and no rank's copy can be overwritten
+        # while the agent is busy with another rank's (which would starve a slow tier).
+        with contextlib.ExitStack() as locks:
+            snaps = []
+            for rank in sorted(held):
+                snap = locks.enter_context(read_locked(held[rank][step], timeout=0.05))
+                if snap is None or snap.step != step:
+                    return None  # the trainer took the slot back meanwhile; try next round
+                snaps.append(snap)
+            limit = asyncio.Semaphore(self.rank_concurrency)
+            done = await asyncio.gather(*(self._persist_snapshot(s, limit) for s in snaps))
+        written = sum(n for n, _ in done)
+        world = max((w or 0 for _, w in done), default=0) or len(held)
         await tier_io.commit_step(self.tier, self.job, step, self.node, sorted(held), world)
         self.state.last_committed = step
         self.state.healthy, self.state.last_error = True, ""
@@ -218,7 +237,7 @@ class TierWorker:
         return step
 
     def _throttled(self, step: int) -> bool:
-        if step <= self.final_step():  # a closing trainer's last step always goes out
+        if step <= self.trainers.final_step:  # a closing trainer's last step always goes out
             return False
         if (
             self.every_steps
@@ -231,21 +250,22 @@ class TierWorker:
             and time.monotonic() - self._last_persist_time < self.every_seconds
         )
 
-    async def _persist_rank(self, slot: Slot, step: int) -> tuple[int | None, int | None]:
-        # A shared lock keeps the trainer off this slot for the whole upload.
-        with read_locked(slot, timeout=0.05) as snap:
-            if snap is None or snap.step != step:
-                return None, None
+    async def _persist_snapshot(
+        self, snap: Snapshot, limit: asyncio.Semaphore
+    ) -> tuple[int, int | None]:
+        """Store one rank's locked snapshot, straight from the mapping; (bytes, world size)."""
+        async with limit:
             manifest: Manifest = snap.manifest
-            data = slot.data(snap.header)
-            if not manifest.sealed:  # the trainer died (or is slow) before its sealer ran
-                sums = await asyncio.to_thread(
-                    chunk_checksums, data, manifest.entries, manifest.chunk_size
-                )
-                manifest = manifest.with_checksums(sums)
-            n = await tier_io.write_rank(self.tier, manifest, data)
-            del data
-            return n, manifest.world_size
+            data = snap.slot.data(snap.header)
+            try:
+                if not manifest.sealed:  # the trainer died (or is slow) before its sealer ran
+                    sums = await asyncio.to_thread(
+                        chunk_checksums, data, manifest.entries, manifest.chunk_size
+                    )
+                    manifest = manifest.with_checksums(sums)
+                return await tier_io.write_rank(self.tier, manifest, data), manifest.world_size
+            finally:
+                del data  # no export of the mapping outlives the round
 
     def _report(self) -> None:
         if self.metrics:

@@ -55,14 +55,14 @@ class AgentService(pb_grpc.AgentServicer):
                 await job.add_tier(url)
             except (ConfigError, OSError, ImportError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tier {url!r}: {exc}")
-        job.trainers[request.rank] = request.pid
+        job.trainers.register(request.rank, request.pid, request.local_world_size)
         log.info("job %s: rank %d registered (pid %d)", job.name, request.rank, request.pid)
         return pb.RegisterTrainerResponse(agent_id=self.agent_id, tiers=list(job.workers))
 
     async def SnapshotReady(self, request, context):
         job = await self.job(request.job, context)
         if request.final:
-            job.final_step = max(job.final_step, request.step)
+            job.trainers.close(request.rank, request.step)
         job.wake()
         return pb.SnapshotReadyResponse()
 

@@ -78,11 +78,14 @@ class AgentClient:
             f"the flashckpt agent for job {job} did not start within {timeout}s; see {run_dir / f'{job}.log'}"
         )
 
-    def register(self, rank: int, world_size: int, tiers: list[str], shm_dir: Path) -> list[str]:
+    def register(
+        self, rank: int, world_size: int, tiers: list[str], shm_dir: Path, local_world_size: int = 0
+    ) -> list[str]:
         req = self.pb.RegisterTrainerRequest(
             job=self.job,
             rank=rank,
             world_size=world_size,
+            local_world_size=local_world_size,
             pid=os.getpid(),
             tiers=tiers,
             shm_dir=str(shm_dir),

@@ -305,7 +305,9 @@ class Checkpointer:
     def _connect_agent(self) -> None:
         if self.tiers and self._agent is None:
             self._agent = AgentClient.connect(self.job, self.run_dir, self.shm_dir)
-            self._agent.register(self.rank, group.world_size(), self.tiers, self.shm_dir)
+            self._agent.register(
+                self.rank, group.world_size(), self.tiers, self.shm_dir, config.local_world_size()
+            )
 
     def _wait_tier(self, tier: str, step: int | None, timeout: float | None) -> int:
         from .storage_tiers import parse_spec

@@ -44,6 +44,14 @@ def resolve_job(job: str | None) -> str:
     return validate_name("job", str(value))
 
 
+def local_world_size() -> int:
+    """Ranks of this job on this node as the launcher says (torchrun: LOCAL_WORLD_SIZE); 0 if unknown."""
+    try:
+        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
+    except ValueError:
+        return 0
+
+
 def resolve_rank(rank: int | None) -> int:
     if rank is None:
         try:

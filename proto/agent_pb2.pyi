@@ -26,20 +26,22 @@ TIER_HEALTH_OK: TierHealth
 TIER_HEALTH_FAILING: TierHealth
 
 class RegisterTrainerRequest(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "pid", "tiers", "shm_dir")
+    __slots__ = ("job", "rank", "world_size", "pid", "tiers", "shm_dir", "local_world_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
     pid: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
     shm_dir: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ...) -> None: ...
+    local_world_size: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class RegisterTrainerResponse(_message.Message):
     __slots__ = ("agent_id", "tiers")

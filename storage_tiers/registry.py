@@ -37,6 +37,7 @@ class TierEntry:
     default_scope: Scope
     install_hint: str | None = None  # shown when the import fails
     path_like: bool = False  # location is a filesystem path: resolved to an absolute one
+    options: frozenset[str] | None = frozenset()  # its own query options; None: any
 
 
 _REGISTRY: dict[str, TierEntry] = {
@@ -48,8 +49,30 @@ _REGISTRY: dict[str, TierEntry] = {
         "flashckpt.storage_tiers.s3:S3Tier",
         Scope.SHARED,
         install_hint="pip install 'flashckpt[s3]'",
+        options=frozenset(
+            [
+                "endpoint_url",
+                "key",
+                "secret",
+                "token",
+                "anon",
+                "region",
+                "part_size",
+                "max_concurrency",
+                "retry_attempts",
+                "retry_backoff_s",
+                "retry_max_backoff_s",
+            ]
+        ),
     ),
 }
+
+# Options every tier takes: the agent's policy for it (retention, throttle, rank fan-out), each
+# a number >= 0 (0 or absent: off, or the default).
+POLICY_OPTIONS: dict[str, Callable[[str], float]] = {
+    "keep_last": int, "keep_every": int, "every_steps": int, "every_seconds": float,
+    "rank_concurrency": int,
+}  # fmt: skip
 
 
 def register_tier(
@@ -79,7 +102,11 @@ def _entry(scheme: str) -> TierEntry:
             # so nothing counts on other nodes reading a tier they may not see.
             cls = _load(scheme, TierEntry(ep.value, Scope.NODE))
             scope = getattr(cls, "default_scope", Scope.NODE)
-            return TierEntry(ep.value, Scope(scope), getattr(cls, "install_hint", None))
+            own = getattr(cls, "options", None)  # a third-party tier may list its options
+            return TierEntry(
+                ep.value, Scope(scope), getattr(cls, "install_hint", None),
+                options=None if own is None else frozenset(own),
+            )  # fmt: skip
     raise ConfigError(
         f"unknown tier scheme {scheme!r}: expected one of {', '.join(known_schemes())} "
         "(e.g. file:///mnt/nvme/ckpt, s3://bucket/prefix); fix the URL or install the package "
@@ -169,7 +196,24 @@ def parse_spec(url: str, **options: object) -> TierSpec:
                 "s3://bucket/prefix"
             )
     canonical = f"{scheme}://{location}"
-    return TierSpec(url=canonical, scheme=scheme, location=location, scope=scope, options=merged)
+    spec = TierSpec(url=canonical, scheme=scheme, location=location, scope=scope, options=merged)
+    _check_options(spec, entry)
+    return spec
+
+
+def _check_options(spec: TierSpec, entry: TierEntry) -> None:
+    """A misspelt option fails here, when the tier is named, rather than being ignored."""
+    if entry.options is not None:
+        known = {"scope", *POLICY_OPTIONS, *entry.options}
+        unknown = sorted(set(spec.options) - known)
+        if unknown:
+            raise ConfigError(
+                f"tier {spec.url}: unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(unknown)}; {spec.scheme}:// tiers take {', '.join(sorted(known))}"
+            )
+    for name, convert in POLICY_OPTIONS.items():
+        if option(spec, name, 0, convert) < 0:
+            raise ConfigError(f"tier {spec.url}: option {name}={spec.options[name]!r} must be >= 0")
 
 
 def open_tier(url: str, **options: object) -> Tier:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from conftest import ROOT, run_python, wait_for
 
 from flashckpt import Checkpointer, layout, tier_io
-from flashckpt.sources import run_with_tier
+from flashckpt.sources import TierSource, run_with_tier
 
 
 def committed(url: str, job: str) -> list[int]:
@@ -154,6 +155,82 @@ def test_corrupt_chunk_in_one_tier_falls_back_to_the_next(shm_dir, run_dir, tmp_
     )
     assert out.stdout.split() == ["3", "True"]
     assert "crc32c" in out.stderr and "nvme" in out.stderr
+
+
+def test_ranks_saving_faster_than_the_tier_writes_still_get_steps_committed(
+    shm_dir, run_dir, s3_bucket, monkeypatch
+):
+    # Two local ranks overwrite their older slot every few milliseconds while one rank's upload
+    # takes far longer: the agent must hold every rank's copy of its step for the whole round,
+    # or the later ranks' copies are gone before it reaches them and nothing ever commits.
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a step commits only with both ranks in
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    url = f"s3://{s3_bucket}/fast"  # tenths of a second per rank, against 10 ms per save
+    states = [{"t": torch.full((4 * 2**20,), r, dtype=torch.float32)} for r in range(2)]  # 16 MiB
+    cks = [Checkpointer(url, job="fast", rank=r, close_timeout=120) for r in range(2)]
+    try:
+        step, deadline = 0, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for ck, state in zip(cks, states, strict=True):
+                ck.save(step, state)
+            step += 1
+            if step % 10 == 0 and cks[0]._agent.tier_status()[0].last_committed_step >= 0:
+                break  # (asked of the agent: listing the bucket would pause the savers)
+            time.sleep(0.005)
+        done = committed(url, "fast")
+        assert done, f"no step committed while the ranks saved {step} steps in 60 s"
+    finally:
+        for ck in cks:
+            ck.close()
+    out = {"t": torch.zeros(4 * 2**20)}
+    assert TierSource(url, "fast", 1, verify=True).load(out, done[-1], allow_pickle=False)
+    assert bool((out["t"] == 1).all())
+
+
+def test_a_rank_closing_first_does_not_get_its_last_step_stored_without_the_others(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    # Rank 0 finishes first and closes; rank 1 saves the same last step a moment later. The
+    # agent must wait for rank 1's copy rather than store the step with rank 0 alone, after
+    # which rank 1's copy would never go out and the last step would never be complete.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    url = f"file://{tmp_path / 'nvme'}"
+    cks = [Checkpointer(url, job="late", rank=r, close_timeout=60) for r in range(2)]
+    for step in range(3):
+        for r, ck in enumerate(cks):
+            ck.save(step, {"t": torch.full((1000,), 10 * step + r)})
+    cks[0].save(3, {"t": torch.full((1000,), 30)})
+    first = threading.Thread(target=cks[0].close)
+    first.start()
+    time.sleep(1.5)  # rank 0 is in close(), waiting for its last step to be stored
+    assert first.is_alive()
+    cks[1].save(3, {"t": torch.full((1000,), 31)})
+    cks[1].close()
+    first.join(timeout=60)
+    assert not first.is_alive()
+    assert committed(url, "late")[-1] == 3
+    for r in range(2):
+        out = {"t": torch.zeros(1000, dtype=torch.int64)}
+        assert TierSource(url, "late", r, verify=True).load(out, 3, allow_pickle=False)
+        assert bool((out["t"] == 30 + r).all())
+
+
+def test_an_early_rank_does_not_get_a_step_stored_before_the_node_s_ranks_registered(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    url = f"file://{tmp_path / 'nvme'}"
+    with Checkpointer(url, job="early", rank=0, close_timeout=60) as ck0:
+        ck0.save(0, {"t": torch.zeros(10)})
+        time.sleep(1.5)  # several agent rounds: rank 1 has not registered yet
+        status = ck0._agent.tier_status()[0]
+        assert status.last_committed_step == -1 and status.snapshots_persisted == 0
+        with Checkpointer(url, job="early", rank=1, close_timeout=60) as ck1:
+            ck1.save(0, {"t": torch.ones(10)})
+            assert ck1.wait(0, tier=url, timeout=60) == 0
+    assert committed(url, "early") == [0]
 
 
 def test_retention_and_throttle(shm_dir, run_dir, tmp_path):

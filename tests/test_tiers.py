@@ -29,6 +29,7 @@ from flashckpt.storage_tiers.local import LocalTier
 from flashckpt.storage_tiers.parallel_fs import ParallelFsTier
 from s3fixture import FaultProxy, MotoS3
 
+from flashckpt import Checkpointer
 from flashckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -115,7 +116,7 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> TierCase:
         return TierCase("s3", f"s3://{bucket}/ckpt?part_size={PART}", server=server, bucket=bucket)
     scheme = "file" if request.param == "local" else "pfs"
     root = tmp_path / "tier"
-    return TierCase(request.param, f"{scheme}://{root}?part_size={PART}", root=root)
+    return TierCase(request.param, f"{scheme}://{root}", root=root)
 
 
 class TestTierContract:
@@ -599,6 +600,25 @@ def test_options_merge_and_scope_override() -> None:
     assert parse_spec("s3://b/p", scope=Scope.NODE).scope is Scope.NODE
     with pytest.raises(ConfigError, match="expected 'node' or 'shared'"):
         parse_spec("file:///x?scope=cluster")
+
+
+def test_misspelt_unknown_and_bad_options_fail_when_the_tier_is_named(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match="unknown option keep_lst; file:// tiers take .*keep_last"
+    ):
+        parse_spec("file:///x?keep_lst=3")
+    with pytest.raises(ConfigError, match="unknown option part_size"):  # an S3-only option
+        parse_spec("pfs:///x?part_size=8")
+    with pytest.raises(ConfigError, match="keep_last='-1' must be >= 0"):
+        parse_spec("s3://b/p?keep_last=-1")
+    with pytest.raises(ConfigError, match="every_steps='ten' is not valid"):
+        parse_spec("file:///x?every_steps=ten")
+    with pytest.raises(ConfigError, match="unknown option kep_last"):  # Checkpointer checks early
+        Checkpointer(f"file://{tmp_path}?kep_last=3", job="opts")
+    spec = parse_spec(
+        "s3://b/p?endpoint_url=http://h:1&part_size=8&keep_every=5&rank_concurrency=2"
+    )
+    assert spec.options["rank_concurrency"] == "2"
 
 
 def test_open_tier_builds_the_registered_class(tmp_path: Path) -> None:
