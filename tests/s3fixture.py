@@ -77,6 +77,7 @@ class MotoS3:
     def start(self) -> None:
         if self._server is not None:
             return
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
         app = DomainDispatcherApplication(create_backend_app)
         server = _CuttableServer(self.host, self.port, app, handler=MotoRequestHandler)
         self.port = server.server_port
