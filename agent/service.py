@@ -13,6 +13,7 @@ from flashckpt import config, tier_io
 from flashckpt.errors import ConfigError
 
 from .jobs import Job
+from .persist import SlotReader
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,17 @@ class AgentService(pb_grpc.AgentServicer):
 
     async def ListSnapshots(self, request, context):
         job = await self.job(request.job, context)
-        reader = next(iter(job.workers.values())).reader if job.workers else None
+        # Its own mappings: a persistence loop's reader may be mid-upload from one it holds.
+        reader = SlotReader(self.shm_dir, job.name)
         memory = []
-        if reader is not None:
+        try:
             for rank, steps in sorted(reader.held().items()):
                 for step, slot in sorted(steps.items()):
                     memory.append(
                         pb.MemorySnapshot(rank=rank, step=step, sealed=slot.header().sealed)
                     )
+        finally:
+            reader.close()
         tiers = []
         for url, w in job.workers.items():
             try:

@@ -85,10 +85,21 @@ class Source:
         ):  # fmt: skip
             copy_into(dst, self.view(entry, chunk_size))
             return
+        n = entry.n_chunks(chunk_size)
+        if entry.offset < 0 or entry.offset + entry.nbytes > self.data.numel():
+            raise ManifestError(
+                f"{self.where}: {entry.path!r} claims bytes {entry.offset}-"
+                f"{entry.offset + entry.nbytes}, past the {self.data.numel()} bytes stored; "
+                "the manifest is corrupt, restore from another tier or an older step"
+            )
+        if len(entry.checksums) != n:
+            raise ManifestError(
+                f"{self.where}: {entry.path!r} has {len(entry.checksums)} checksums for {n} "
+                "chunks; the manifest is corrupt, restore from another tier or an older step"
+            )
         out = dst.detach().reshape(-1).view(torch.uint8)
         landed = memoryview(out.numpy())
         src_at, dst_at = self.data.data_ptr() + entry.offset, out.data_ptr()
-        n = len(entry.checksums)
 
         def work(first: int, last: int) -> tuple[int, int] | None:
             for i in range(first, last):

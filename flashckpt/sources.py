@@ -43,7 +43,7 @@ class MemorySource:
                             slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify
                         ),
                     )
-                except ChecksumError as exc:
+                except (ChecksumError, ManifestError) as exc:  # a corrupt copy: try the next
                     log.warning("%s", exc)
                     continue
                 if snap.intact():
@@ -95,7 +95,7 @@ class TierSource:
         producer = plan(manifest, state, allow_pickle)
         try:
             run(producer, Source(data, f"{self.name} step {step} rank {self.rank}", self.verify))
-        except ChecksumError as exc:
+        except (ChecksumError, ManifestError) as exc:  # a corrupt copy: try the next
             log.warning("%s", exc)
             return False
         return True

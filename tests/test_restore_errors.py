@@ -81,6 +81,21 @@ def test_manifest_json_round_trips_entries_shards_and_checksums():
     assert Manifest.from_json(m.to_json()) == m
 
 
+def test_an_entry_past_the_stored_bytes_or_short_of_checksums_is_refused_not_read():
+    # Large entries are copied with raw memory moves: a corrupt manifest must fail first.
+    from flashckpt.restore import Source
+
+    mib = 2**20
+    data = torch.zeros(2 * mib, dtype=torch.uint8)
+    dst = torch.empty(2 * mib, dtype=torch.uint8)
+    past = Entry("t", "tensor", "uint8", (2 * mib,), mib, 2 * mib, 0, (0,))
+    with pytest.raises(ManifestError, match="past the 2097152 bytes stored"):
+        Source(data, "here").copy_to(dst, past, mib)
+    short = Entry("t", "tensor", "uint8", (2 * mib,), 0, 2 * mib, 0, (0,))
+    with pytest.raises(ManifestError, match="1 checksums for 2 chunks"):
+        Source(data, "here").copy_to(dst, short, mib)
+
+
 def test_newer_manifest_format_is_refused():
     m = Manifest("j", 0, 1, {"t": "dict", "items": []}, (), 0)
     doc = json.loads(m.to_json())
