@@ -85,13 +85,15 @@ class SlotReader:
         return slot
 
     def held(self) -> dict[int, dict[int, Slot]]:
-        """{rank: {step: slot}} of every READY slot of the job, from headers (no locks)."""
+        """{rank: {step: slot}} of the job's READY slots, from headers (no locks); every rank
+        with slot files is a key, with no steps while it holds none READY."""
         out: dict[int, dict[int, Slot]] = {}
         for rank in ranks_in(self.shm_dir, self.job):
+            out[rank] = {}
             for i in range(N_SLOTS):
                 slot = self.slot(slot_path(self.shm_dir, self.job, rank, i))
                 if slot is not None and (h := slot.header()).readable:
-                    out.setdefault(rank, {})[h.step] = slot
+                    out[rank][h.step] = slot
         return out
 
     def _drop(self, path: Path) -> None:
@@ -179,9 +181,9 @@ class TierWorker:
     async def persist_newest(self) -> int | None:
         """Persist and commit the newest step all local ranks hold; the step, or None."""
         held = self.reader.held()
-        if not held:
+        newest = max((s for steps in held.values() for s in steps), default=None)
+        if newest is None:
             return None
-        newest = max(s for steps in held.values() for s in steps)
         if newest > self.state.newest_in_memory:
             self.state.newest_in_memory = newest
             self.state.newest_published_at = max(
@@ -196,7 +198,6 @@ class TierWorker:
             return None
         # Every local rank with slots or a live registered trainer must hold the step: a step
         # stored without one of them could never be completed later.
-        required |= set(ranks_in(self.reader.shm_dir, self.job))
         common = set.intersection(*(set(held.get(r, ())) for r in required | set(held)))
         step = max(common, default=None)
         if step is None or step <= self.state.last_committed or self._throttled(step):
