@@ -16,6 +16,7 @@ import sys
 import time
 
 from flashckpt import config
+from flashckpt.errors import FlashCkptError
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         "serve", help="run the agent in the foreground (a service manager daemonizes it)"
     )
     s.add_argument(
-        "--job", default=None, help="job name (default: FLASHCKPT_JOB, then TORCHELASTIC_RUN_ID)"
+        "--job",
+        default=None,
+        help="job name (default: FLASHCKPT_JOB, then TORCHELASTIC_RUN_ID, then 'default')",
     )
     s.add_argument("--tier", action="append", default=[], metavar="URL",
                    help="persist to this tier, fastest first; repeatable (trainers may add theirs). "
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--metrics-addr", default="127.0.0.1", help="metrics address (0.0.0.0 in a pod)")
     s.add_argument("--exit-when-idle", type=float, default=None, metavar="S",
                    help="exit once no trainer is alive and everything is persisted for S seconds")  # fmt: skip
+    s.add_argument("--give-up-after", type=float, default=None, metavar="S",
+                   help="with --exit-when-idle: keep retrying a tier that is behind (failing, with "
+                        "backoff) for S seconds after the last trainer left before exiting "
+                        "(FLASHCKPT_GIVE_UP_AFTER, default 3600)")  # fmt: skip
     s.add_argument(
         "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to finish persisting"
     )
@@ -74,20 +81,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
 
-    from .daemon import serve
+    from .daemon import DEFAULT_GIVE_UP_AFTER, serve
 
-    asyncio.run(
-        serve(
-            config.resolve_job(args.job),
-            args.tier,
-            config.shm_dir(args.shm_dir),
-            config.run_dir(args.run_dir),
-            args.metrics_port,
-            args.exit_when_idle,
-            args.drain_timeout,
-            args.metrics_addr,
+    try:
+        asyncio.run(
+            serve(
+                config.resolve_job(args.job, from_command=False),
+                args.tier,
+                config.shm_dir(args.shm_dir),
+                config.run_dir(args.run_dir),
+                args.metrics_port,
+                args.exit_when_idle,
+                args.drain_timeout,
+                args.metrics_addr,
+                config.setting_float("give_up_after", args.give_up_after, DEFAULT_GIVE_UP_AFTER),
+            )
         )
-    )
+    except FlashCkptError as exc:
+        sys.exit(f"flashckpt-agent: {exc}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,16 @@ from flashckpt.proto import agent_pb2_grpc as pb_grpc
 from flashckpt import config
 from flashckpt.agent_client import socket_path
 from flashckpt.pidfile import PidFileBusy, lock_pidfile
+from flashckpt.safe_paths import private_dir
 
 from .jobs import Job
 from .metrics import Metrics
 from .service import AgentService
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GIVE_UP_AFTER = 3600.0
+"""Seconds an idle agent keeps retrying a tier that is behind before it exits anyway."""
 
 
 def node_name() -> str:
@@ -32,23 +36,27 @@ def node_name() -> str:
 
 def claim(run_dir: Path, job: str) -> int:
     """Lock ``<run_dir>/<job>.pid``: one agent per job per node."""
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(run_dir, 0o700)
+    private_dir(run_dir, "run_dir")
     try:
         return lock_pidfile(run_dir / f"{job}.pid")
     except PidFileBusy as busy:
         raise SystemExit(
-            f"an agent for job {job!r} already runs on this node (pid {busy.pid}); stop it first or use it"
+            f"an agent for job {job!r} already runs on this node ({busy.holder()}); stop it "
+            "first or use it"
         ) from None
 
 
 async def serve(
     job: str, tiers: list[str], shm_dir: Path, run_dir: Path, metrics_port: int | None = None,
     exit_when_idle: float | None = None, drain_timeout: float = 60.0, metrics_addr: str = "127.0.0.1",
+    give_up_after: float = DEFAULT_GIVE_UP_AFTER,
 ) -> None:  # fmt: skip
+    """Serve ``job`` until SIGTERM; with ``exit_when_idle``, also exit once no trainer is alive
+    and every tier holds the newest snapshot (a failing tier is retried, with backoff, for
+    ``give_up_after`` seconds first)."""
     config.validate_name("job", job)
+    sock = socket_path(run_dir, job)  # a path past the unix limit fails before the lock
     lock_fd = claim(run_dir, job)
-    sock = socket_path(run_dir, job)
     sock.unlink(missing_ok=True)
     metrics = Metrics(metrics_port, metrics_addr) if metrics_port is not None else None
     node = node_name()
@@ -73,11 +81,21 @@ async def serve(
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.5)
         for jb in service.jobs.values():
-            jb.release_closed_ranks()
+            jb.reclaim()
         if exit_when_idle is not None:
-            quiet = all(not jb.trainers.alive() and jb.idle() for jb in service.jobs.values())
+            quiet = all(
+                not jb.trainers.alive() and jb.idle(give_up_after) for jb in service.jobs.values()
+            )
             idle_since = (idle_since or loop.time()) if quiet else None
             if idle_since is not None and loop.time() - idle_since >= exit_when_idle:
+                for jb in service.jobs.values():
+                    for w in jb.workers.values():
+                        if w.state.lag_steps:
+                            log.error(
+                                "giving up on tier %s after %.0fs: step %d of job %s stays in "
+                                "shared memory only (%s)", w.state.url, give_up_after,
+                                w.state.newest_in_memory[1], jb.name, w.state.last_error or "behind",
+                            )  # fmt: skip
                 log.info(
                     "no trainer left and nothing to persist for %.0fs: exiting", exit_when_idle
                 )

@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 
 from flashckpt.storage_tiers import open_tier
+from flashckpt.storage_tiers.registry import redact
 
-from flashckpt.slots import N_SLOTS, slot_path
+from flashckpt.slots import closed_marker_path, free_rank, ranks_in, unowned
 
 from .persist import TierWorker
 from .trainers import Trainers
@@ -29,43 +30,60 @@ class Job:
             return self.workers[url]
         worker = TierWorker(
             self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
-            trainers=self.trainers,
+            trainers=self.trainers, owned=self.owned,
         )  # fmt: skip
         self.workers[url] = worker
         await worker.start()
-        self._tasks.append(asyncio.create_task(worker.run(), name=f"persist {url}"))
-        log.info("job %s: persisting to %s (%s)", self.name, url, worker.state.scope)
+        self._tasks.append(asyncio.create_task(worker.run(), name=f"persist {redact(url)}"))
+        log.info("job %s: persisting to %s (%s)", self.name, redact(url), worker.state.scope)
         return worker
 
     def wake(self) -> None:
         for w in self.workers.values():
             w.wake.set()
 
-    def idle(self) -> bool:
-        return all(w.idle for w in self.workers.values())
+    def idle(self, give_up_after: float) -> bool:
+        """Every tier holds the newest snapshot, or has been behind for ``give_up_after`` s."""
+        return all(w.idle(give_up_after) for w in self.workers.values())
 
-    def release_closed_ranks(self) -> None:
-        """Free the slots of ranks whose trainer closed, once every healthy tier has them."""
-        done = min(
-            (w.state.last_committed for w in self.workers.values() if w.state.healthy), default=None
-        )
-        for marker in self.shm_dir.joinpath(self.name).glob("rank-*.closed"):
-            rank = int(marker.name.split("-")[1].split(".")[0])
-            try:
-                step = int(marker.read_text() or -1)
-            except (OSError, ValueError):
+    def owned(self, rank: int) -> bool:
+        """Whether a live trainer holds ``rank``'s slots right now."""
+        with unowned(self.shm_dir, self.name, rank) as free:
+            return not free
+
+    def reclaim(self) -> None:
+        """Free slots no live trainer will use again: a closed rank's once every tier (a
+        failing one too) has its last step, and a stale rank's (one the live job does not run
+        on this node) at once. Each is freed under the rank's owner lock, so a trainer that
+        claims the rank meanwhile keeps its slots."""
+        done = min((w.state.last_committed for w in self.workers.values()), default=None)
+        with_slots = ranks_in(self.shm_dir, self.name)
+        for rank in self.trainers.stale(with_slots, self.owned):
+            with unowned(self.shm_dir, self.name, rank) as free:
+                if free:
+                    free_rank(self.shm_dir, self.name, rank)
+                    log.warning(
+                        "job %s: rank %d's slots in %s belong to no live trainer (the job runs "
+                        "ranks %s of %d on this node now): removed them",
+                        self.name, rank, self.shm_dir / self.name, sorted(self.trainers.pids),
+                        self.trainers.world_size,
+                    )  # fmt: skip
+        for rank in with_slots:
+            marker = closed_marker_path(self.shm_dir, self.name, rank)
+            if done is None or not marker.exists():
                 continue
-            if done is None or done < step:
-                continue
-            for i in range(N_SLOTS):
-                slot_path(self.shm_dir, self.name, rank, i).unlink(missing_ok=True)
-            marker.unlink(missing_ok=True)
+            with unowned(self.shm_dir, self.name, rank) as free:
+                try:
+                    step = _closed_at(marker.read_text()) if free else None
+                except (OSError, ValueError):
+                    continue
+                if step is None or done < step:
+                    continue  # a trainer owns the rank again, or a tier is still behind
+                free_rank(self.shm_dir, self.name, rank)
             log.info(
-                "job %s: rank %d closed and step %d is persisted; its slots are freed",
-                self.name,
-                rank,
-                step,
-            )
+                "job %s: rank %d closed and step %d is in every tier; its slots are freed",
+                self.name, rank, step[1],
+            )  # fmt: skip
 
     async def drain(self, timeout: float) -> None:
         """Persist what is in flight and the newest snapshot (up to ``timeout``), then stop."""
@@ -78,3 +96,9 @@ class Job:
             await asyncio.gather(*late, return_exceptions=True)
         for w in self.workers.values():
             await w.close()
+
+
+def _closed_at(text: str) -> tuple[int, int]:
+    """The (generation, step) a closed marker names: ``"<step> <generation>"``."""
+    step, _, gen = text.strip().partition(" ")
+    return int(gen or 0), int(step)

@@ -1,6 +1,10 @@
-"""Prometheus metrics of the agent, served on an optional port (``--metrics-port``)."""
+"""Prometheus metrics of the agent, served on an optional port (``--metrics-port``).
+
+Series are labelled by tier URL, credentials shown as ``***``."""
 
 from __future__ import annotations
+
+from flashckpt.storage_tiers.registry import redact
 
 
 class Metrics:
@@ -28,15 +32,15 @@ class Metrics:
         self.port = self.server.server_port
 
     def persisted(self, tier: str, nbytes: int) -> None:
-        self._bytes.labels(tier).inc(nbytes)
-        self._snaps.labels(tier).inc()
+        self._bytes.labels(redact(tier)).inc(nbytes)
+        self._snaps.labels(redact(tier)).inc()
 
     def error(self, tier: str) -> None:
-        self._errors.labels(tier).inc()
+        self._errors.labels(redact(tier)).inc()
 
     def lag(self, tier: str, steps: int, seconds: float) -> None:
-        self._lag_steps.labels(tier).set(steps)
-        self._lag_s.labels(tier).set(seconds)
+        self._lag_steps.labels(redact(tier)).set(steps)
+        self._lag_s.labels(redact(tier)).set(seconds)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -14,13 +14,16 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
 from flashckpt.storage_tiers.registry import option
 
-from flashckpt import tier_io
+from flashckpt import layout, tier_io
 from flashckpt.checksum import chunk_checksums
+from flashckpt.errors import SharedMemoryError
 from flashckpt.manifest import Manifest
 from flashckpt.slot import Slot
 from flashckpt.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
@@ -28,6 +31,10 @@ from flashckpt.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 from .trainers import Trainers
 
 log = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+"""A snapshot's (generation, step): a newer generation is newer whatever its step."""
+NONE: Key = (0, -1)
 
 
 @dataclass
@@ -37,11 +44,11 @@ class TierState:
     url: str
     scope: str
     healthy: bool = True
-    last_committed: int = -1
+    last_committed: Key = NONE  # (generation, step)
     bytes_persisted: int = 0
     snapshots_persisted: int = 0
     last_error: str = ""
-    newest_in_memory: int = -1
+    newest_in_memory: Key = NONE
     newest_published_at: float = 0.0
     last_persist_seconds: float = 0.0
     last_persist_bytes: int = 0
@@ -49,9 +56,10 @@ class TierState:
 
     @property
     def lag_steps(self) -> int:
-        return (
-            max(0, self.newest_in_memory - self.last_committed) if self.newest_in_memory >= 0 else 0
-        )
+        """Steps in memory not yet committed (at least 1 when a newer branch is waiting)."""
+        if self.newest_in_memory <= self.last_committed:
+            return 0
+        return max(1, self.newest_in_memory[1] - self.last_committed[1])
 
     @property
     def lag_seconds(self) -> float:
@@ -84,16 +92,21 @@ class SlotReader:
         self._open[path] = (ino, slot)
         return slot
 
-    def held(self) -> dict[int, dict[int, Slot]]:
-        """{rank: {step: slot}} of the job's READY slots, from headers (no locks); every rank
-        with slot files is a key, with no steps while it holds none READY."""
-        out: dict[int, dict[int, Slot]] = {}
+    def held(self) -> dict[int, dict[Key, Slot]]:
+        """{rank: {(generation, step): slot}} of the job's READY slots, from headers (no
+        locks); every rank with slot files is a key, with none while it holds none READY."""
+        out: dict[int, dict[Key, Slot]] = {}
         for rank in ranks_in(self.shm_dir, self.job):
             out[rank] = {}
             for i in range(N_SLOTS):
                 slot = self.slot(slot_path(self.shm_dir, self.job, rank, i))
-                if slot is not None and (h := slot.header()).readable:
-                    out[rank][h.step] = slot
+                try:
+                    h = slot.header() if slot is not None else None
+                except SharedMemoryError as exc:  # holds no snapshot; its owner rewrites it
+                    log.debug("%s", exc)  # polled: the owner's reinitialisation is what warns
+                    continue
+                if h is not None and h.readable:
+                    out[rank][h.generation, h.step] = slot
         return out
 
     def _drop(self, path: Path) -> None:
@@ -111,11 +124,13 @@ class TierWorker:
 
     def __init__(
         self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
-        trainers: Trainers | None = None,
+        trainers: Trainers | None = None, owned: Callable[[int], bool] | None = None,
     ) -> None:  # fmt: skip
-        """``trainers`` is the job's registry on this node, shared by all its tiers."""
+        """``trainers`` is the job's registry on this node, shared by all its tiers; ``owned``
+        says whether a live trainer holds a rank's slots."""
         self.job, self.tier, self.node = job, tier, node
         self.trainers = trainers if trainers is not None else Trainers()
+        self.owned = owned or (lambda rank: True)
         self.reader = SlotReader(shm_dir, job)
         self.state = TierState(tier.spec.url, tier.spec.scope.value)
         self.metrics = metrics
@@ -128,22 +143,51 @@ class TierWorker:
         self.keep_every = option(spec, "keep_every", 0, int) or None
         # ranks of one step stored at once (each upload is itself parallel for S3)
         self.rank_concurrency = option(spec, "rank_concurrency", 0, int) or 4
+        self.retire_abandoned = bool(option(spec, "retire_abandoned", 0, int))
+        self.temp_grace_s = option(spec, "temp_grace_s", TEMP_GRACE_S, float)
         self._last_persist_time = 0.0
         self._busy = False
         self._stopping = False
+        self._refused: Key = NONE  # the last step refused for a job-size mismatch (warned once)
+        self._older_warned: Key = NONE
+        self._behind_since: float | None = None  # when the tier last fell behind memory
 
-    @property
-    def idle(self) -> bool:
-        """Nothing in flight and nothing newer in memory than what is committed (or failing)."""
-        return not self._busy and (self.state.lag_steps == 0 or not self.state.healthy)
+    def idle(self, give_up_after: float) -> bool:
+        """Nothing in flight and nothing in memory newer than what is committed; or the tier
+        has been behind (failing, or unable to progress) for ``give_up_after`` seconds. A
+        failing tier with steps still in memory is not idle: it is retried with backoff."""
+        if self._busy:
+            return False
+        if self.state.lag_steps == 0:
+            self._behind_since = None
+            return True
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        return now - self._behind_since >= give_up_after
 
     async def start(self) -> None:
-        """Learn what the tier already holds, so a restarted agent does not redo it."""
+        """Learn what the tier already holds, so a restarted agent does not redo it, and
+        remove what a killed agent left half-written."""
         try:
-            committed = await tier_io.committed_steps(self.tier, self.job)
-            self.state.last_committed = committed[-1] if committed else -1
+            done = tier_io.complete(await tier_io.list_steps(self.tier, self.job))
+            self.state.last_committed = max(done, default=NONE)
         except Exception as exc:  # an unreachable tier still starts; the loop retries
             self._failed(exc)
+            return
+        try:
+            await self.tier.clean_temporaries(f"{self.job}/", self.temp_grace_s, self._ours())
+        except Exception as exc:  # leftovers cost space, not correctness
+            log.warning("tier %s: temporaries of crashed uploads stay: %s", self.state.url, exc)
+
+    def _ours(self) -> Callable[[str], bool]:
+        """Which keys this node writes: everything in a node-local tier; in a shared one, the
+        shards of the ranks with slots here and this node's commit markers. No upload of
+        those is in flight while this agent starts (one agent per job and node)."""
+        if self.tier.spec.scope is Scope.NODE:
+            return lambda key: True
+        ranks = set(ranks_in(self.reader.shm_dir, self.job)) | set(self.trainers.pids)
+        return lambda key: layout.written_by(self.job, key, self.node, ranks)
 
     def stop(self) -> None:
         """Finish the round in flight plus one more for the newest snapshot, then return."""
@@ -178,28 +222,29 @@ class TierWorker:
         if self.metrics:
             self.metrics.error(self.state.url)
 
-    async def persist_newest(self) -> int | None:
-        """Persist and commit the newest step all local ranks hold; the step, or None."""
+    async def persist_newest(self) -> Key | None:
+        """Persist and commit the newest step all local ranks hold (the newest generation
+        first); its (generation, step), or None."""
         held = self.reader.held()
-        newest = max((s for steps in held.values() for s in steps), default=None)
-        if newest is None:
-            return None
-        if newest > self.state.newest_in_memory:
-            self.state.newest_in_memory = newest
+        required = self.trainers.required(held.keys(), self.owned)
+        ours = {r: held.get(r, {}) for r in required or ()}
+        newest = max((s for steps in ours.values() for s in steps), default=None)
+        # What memory holds now: slots freed or removed leave nothing to be behind on.
+        if newest != self.state.newest_in_memory:
+            self.state.newest_in_memory = newest or NONE
             self.state.newest_published_at = max(
-                slot.header().published_at
-                for steps in held.values()
-                for s, slot in steps.items()
-                if s == newest
-            )
-        required = self.trainers.required()
-        if required is None:
+                (slot.header().published_at for steps in ours.values()
+                 for s, slot in steps.items() if s == newest), default=0.0,
+            )  # fmt: skip
+        if not required or newest is None:
             self._report()
             return None
-        # Every local rank with slots or a live registered trainer must hold the step: a step
-        # stored without one of them could never be completed later.
-        common = set.intersection(*(set(held.get(r, ())) for r in required | set(held)))
+        # Every rank the live job runs here must hold the step: a step stored without one of
+        # them could never be completed later. Slots of other ranks are leftovers, not waited on.
+        common = set.intersection(*(set(steps) for steps in ours.values()))
         step = max(common, default=None)
+        if step is not None and step <= self.state.last_committed:
+            self._warn_older(step)
         if step is None or step <= self.state.last_committed or self._throttled(step):
             self._report()
             return None
@@ -209,16 +254,30 @@ class TierWorker:
         # while the agent is busy with another rank's (which would starve a slow tier).
         with contextlib.ExitStack() as locks:
             snaps = []
-            for rank in sorted(held):
-                snap = locks.enter_context(read_locked(held[rank][step], timeout=0.05))
-                if snap is None or snap.step != step:
+            for rank in sorted(required):
+                snap = locks.enter_context(read_locked(ours[rank][step], timeout=0.05))
+                if snap is None or (snap.generation, snap.step) != step:
                     return None  # the trainer took the slot back meanwhile; try next round
                 snaps.append(snap)
+            world = self.trainers.world_size or max(s.manifest.world_size or 0 for s in snaps)
+            if world and any(
+                (s.manifest.world_size or world) != world or s.manifest.rank >= world for s in snaps
+            ):
+                if step != self._refused:
+                    self._refused = step
+                    log.warning(
+                        "tier %s: step %d of job %s was saved by ranks of another job size "
+                        "(%s, the job has %d ranks now); not storing it", self.state.url,
+                        step[1], self.job, sorted({s.manifest.world_size for s in snaps}), world,
+                    )  # fmt: skip
+                return None
             limit = asyncio.Semaphore(self.rank_concurrency)
             done = await asyncio.gather(*(self._persist_snapshot(s, limit) for s in snaps))
-        written = sum(n for n, _ in done)
-        world = max((w or 0 for _, w in done), default=0) or len(held)
-        await tier_io.commit_step(self.tier, self.job, step, self.node, sorted(held), world)
+        written = sum(done)
+        await tier_io.commit_step(
+            self.tier, self.job, step[1], self.node, sorted(required), world or len(required),
+            snaps[0].manifest.lineage,
+        )  # fmt: skip
         self.state.last_committed = step
         self.state.healthy, self.state.last_error = True, ""
         self.state.bytes_persisted += written
@@ -227,34 +286,46 @@ class TierWorker:
         self.state.last_persist_seconds = self._last_persist_time - t0
         self.state.last_persist_bytes = written
         log.info(
-            "tier %s: committed step %d of job %s (%d ranks, %.1f MiB in %.2fs)",
-            self.state.url, step, self.job, len(held), written / 2**20, time.monotonic() - t0,
+            "tier %s: committed step %d (generation %d) of job %s (%d ranks, %.1f MiB in %.2fs)",
+            self.state.url, step[1], step[0], self.job, len(required), written / 2**20,
+            time.monotonic() - t0,
         )  # fmt: skip
         if self.metrics:
             self.metrics.persisted(self.state.url, written)
         self._report()
         if self.keep_last or self.keep_every:
-            await tier_io.apply_retention(self.tier, self.job, self.keep_last, self.keep_every)
+            await tier_io.apply_retention(
+                self.tier, self.job, self.keep_last, self.keep_every, self.temp_grace_s,
+                self.retire_abandoned,
+            )  # fmt: skip
         return step
 
-    def _throttled(self, step: int) -> bool:
+    def _warn_older(self, step: Key) -> None:
+        """Trainers save a step the tier has a newer one of, in the same branch: a job that
+        started over without restore() (restore() would have started a new branch)."""
+        if step[0] == self.state.last_committed[0] and step != self._older_warned:
+            self._older_warned = step
+            log.warning(
+                "tier %s: job %s saves step %d, but step %d is committed already; steps at or "
+                "below it are not stored again. Call restore() at start (going back starts a new "
+                "branch that is stored), or use a new job name", self.state.url, self.job,
+                step[1], self.state.last_committed[1],
+            )  # fmt: skip
+
+    def _throttled(self, step: Key) -> bool:
         if step <= self.trainers.final_step:  # a closing trainer's last step always goes out
             return False
-        if (
-            self.every_steps
-            and self.state.last_committed >= 0
-            and step - self.state.last_committed < self.every_steps
-        ):
+        last = self.state.last_committed
+        same_branch = last[0] == step[0] and last[1] >= 0
+        if self.every_steps and same_branch and step[1] - last[1] < self.every_steps:
             return True
         return (
             bool(self.every_seconds)
             and time.monotonic() - self._last_persist_time < self.every_seconds
         )
 
-    async def _persist_snapshot(
-        self, snap: Snapshot, limit: asyncio.Semaphore
-    ) -> tuple[int, int | None]:
-        """Store one rank's locked snapshot, straight from the mapping; (bytes, world size)."""
+    async def _persist_snapshot(self, snap: Snapshot, limit: asyncio.Semaphore) -> int:
+        """Store one rank's locked snapshot, straight from the mapping; the bytes written."""
         async with limit:
             manifest: Manifest = snap.manifest
             data = snap.slot.data(snap.header)
@@ -264,7 +335,7 @@ class TierWorker:
                         chunk_checksums, data, manifest.entries, manifest.chunk_size
                     )
                     manifest = manifest.with_checksums(sums)
-                return await tier_io.write_rank(self.tier, manifest, data), manifest.world_size
+                return await tier_io.write_rank(self.tier, manifest, data)
             finally:
                 del data  # no export of the mapping outlives the round
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 from flashckpt.proto import agent_pb2 as pb
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
+from flashckpt.storage_tiers.registry import redact
 
 from flashckpt import config, tier_io
 from flashckpt.errors import ConfigError
@@ -55,15 +56,27 @@ class AgentService(pb_grpc.AgentServicer):
             try:
                 await job.add_tier(url)
             except (ConfigError, OSError, ImportError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"tier {url!r}: {exc}")
-        job.trainers.register(request.rank, request.pid, request.local_world_size)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"tier {redact(url)!r}: {exc}"
+                )
+        job.trainers.register(
+            request.rank, request.pid, request.world_size, request.local_world_size
+        )
         log.info("job %s: rank %d registered (pid %d)", job.name, request.rank, request.pid)
         return pb.RegisterTrainerResponse(agent_id=self.agent_id, tiers=list(job.workers))
 
     async def SnapshotReady(self, request, context):
         job = await self.job(request.job, context)
+        if request.pid and job.trainers.pids.get(request.rank) != request.pid:
+            # This agent started after the trainer registered (it was restarted): learn the
+            # live job from the notice, so its ranks, not leftover slots, decide what is stored.
+            job.trainers.register(
+                request.rank, request.pid, request.world_size, request.local_world_size
+            )
+            log.info("job %s: rank %d known from its notice (pid %d)", job.name, request.rank,
+                     request.pid)  # fmt: skip
         if request.final:
-            job.trainers.close(request.rank, request.step)
+            job.trainers.close(request.rank, (request.generation, request.step))
         job.wake()
         return pb.SnapshotReadyResponse()
 
@@ -77,7 +90,8 @@ class AgentService(pb_grpc.AgentServicer):
                     url=s.url,
                     scope=_SCOPE[s.scope],
                     health=pb.TIER_HEALTH_OK if s.healthy else pb.TIER_HEALTH_FAILING,
-                    last_committed_step=s.last_committed,
+                    last_committed_step=s.last_committed[1],
+                    last_committed_generation=s.last_committed[0],
                     lag_steps=s.lag_steps,
                     lag_seconds=s.lag_seconds,
                     bytes_persisted=s.bytes_persisted,
@@ -96,26 +110,33 @@ class AgentService(pb_grpc.AgentServicer):
         memory = []
         try:
             for rank, steps in sorted(reader.held().items()):
-                for step, slot in sorted(steps.items()):
+                for (gen, step), slot in sorted(steps.items()):
+                    h = slot.header()
                     memory.append(
-                        pb.MemorySnapshot(rank=rank, step=step, sealed=slot.header().sealed)
+                        pb.MemorySnapshot(rank=rank, step=step, sealed=h.sealed, generation=gen)
                     )
         finally:
             reader.close()
         tiers = []
         for url, w in job.workers.items():
             try:
-                steps = await tier_io.committed_steps(w.tier, job.name)
+                listing = await tier_io.list_steps(w.tier, job.name)
             except Exception as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tier {url}: {exc}")
-            tiers.append(pb.TierSteps(url=url, committed_steps=steps))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tier {redact(url)}: {exc}")
+            lineage = tier_io.head(listing)
+            steps = sorted(tier_io.in_lineage(listing, lineage))
+            tiers.append(
+                pb.TierSteps(url=url, committed_steps=steps, generation=lineage.generation)
+            )
         return pb.ListSnapshotsResponse(memory=memory, tiers=tiers)
 
     async def FetchRestore(self, request, context):
         listing = await self.ListSnapshots(pb.ListSnapshotsRequest(job=request.job), context)
         want = request.step if request.HasField("step") else None
         sources = []
-        mem = sorted((m.step for m in listing.memory if m.rank == request.rank), reverse=True)
+        own = [m for m in listing.memory if m.rank == request.rank]
+        gen = max((m.generation for m in own), default=0)  # the newest branch in memory
+        mem = sorted((m.step for m in own if m.generation == gen), reverse=True)
         sources += [pb.RestoreSource(url="memory", step=s) for s in mem if want in (None, s)]
         for t in listing.tiers:  # tiers are kept fastest first, as registered
             sources += [

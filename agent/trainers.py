@@ -1,45 +1,71 @@
-"""What the agent knows of a job's trainers on this node: who must hold a step before it is
-stored, and which step a closing trainer asked to flush."""
+"""What the agent knows of a job's trainers on this node: which ranks the live job runs here
+(so which must hold a step before it is stored), which leftover ranks are stale, and which
+step a closing trainer asked to flush.
+
+Which ranks a step needs comes from the live job (registrations, with the launcher's
+LOCAL_WORLD_SIZE and WORLD_SIZE), never from slot files left behind by an earlier run.
+"""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+from flashckpt.pidfile import pid_alive
 
 
 @dataclass
 class Trainers:
-    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, as registered
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, this incarnation's
     closing: set[int] = field(default_factory=set)  # ranks whose trainer sent its final step
+    world_size: int = 0  # ranks of the whole job (WORLD_SIZE); 0: unknown
     local_world_size: int = 0  # ranks of the job on this node (LOCAL_WORLD_SIZE); 0: unknown
-    final_step: int = -1  # the newest step a closing trainer asked to flush past throttles
+    # the newest (generation, step) a closing trainer asked to flush past throttles
+    final_step: tuple[int, int] = (0, -1)
 
-    def register(self, rank: int, pid: int, local_world_size: int) -> None:
+    def register(self, rank: int, pid: int, world_size: int, local_world_size: int) -> None:
+        if self.pids and (world_size, local_world_size) != (self.world_size, self.local_world_size):
+            # The job was restarted with another shape: the earlier incarnation's trainers (dead,
+            # or about to be killed by the launcher) no longer count.
+            self.pids.clear()
+            self.closing.clear()
+        self.world_size, self.local_world_size = max(0, world_size), max(0, local_world_size)
         self.pids[rank] = pid
         self.closing.discard(rank)  # a restarted trainer takes its rank back
-        self.local_world_size = max(self.local_world_size, local_world_size)
 
-    def close(self, rank: int, step: int) -> None:
+    def close(self, rank: int, step: tuple[int, int]) -> None:
         self.closing.add(rank)
         self.final_step = max(self.final_step, step)
 
     def alive(self) -> bool:
         return any(pid_alive(pid) for pid in self.pids.values())
 
-    def required(self) -> set[int] | None:
+    def required(
+        self, with_slots: Collection[int], owned: Callable[[int], bool]
+    ) -> set[int] | None:
         """Ranks that must hold a step before it is stored; None while the node's ranks are
-        still registering (a step stored before then would miss theirs). Ranks with slots in
-        shared memory are required by the caller as well."""
+        still registering (a step stored before then would miss theirs).
+
+        Registered ranks count while they are alive or still have slots (a trainer SIGKILLed
+        right after ``save()`` still gets its last step out, with the others'). An agent that
+        no trainer registered with (started after them) takes the ranks whose slots a live
+        process owns, else every rank with slots: those are all it can know.
+        """
+        if not self.pids:
+            live = {r for r in with_slots if owned(r)}
+            return live or set(with_slots)
         if len(self.pids) < self.local_world_size and not self.closing:
             return None
-        return {r for r, pid in self.pids.items() if r not in self.closing and pid_alive(pid)}
+        return {r for r, pid in self.pids.items() if r in with_slots or pid_alive(pid)}
+
+    def stale(self, with_slots: Collection[int], owned: Callable[[int], bool]) -> set[int]:
+        """Ranks with slots that the live job does not run on this node and no live process
+        owns: left behind by an earlier run with more ranks here, or by a dead rank."""
+        if not self.pids:
+            return set()
+        all_known = 0 < self.local_world_size <= len(self.pids)
+        return {
+            r
+            for r in set(with_slots) - set(self.pids)
+            if (all_known or 0 < self.world_size <= r) and not owned(r)
+        }

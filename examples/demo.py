@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flashckpt import config
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -54,7 +56,7 @@ def torchrun(job: str, tmp: Path, **env: str) -> tuple[int, str]:
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="flashckpt-demo-"))
-    shm = Path(os.environ.get("FLASHCKPT_SHM_DIR", "/dev/shm/flashckpt"))
+    shm = config.shm_dir()  # the trainers' own choice (a per-user one if the default is taken)
     tag = os.getpid()
     try:
         print("1) undisturbed run, 60 steps")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -12,13 +14,30 @@ from pathlib import Path
 
 import grpc
 
-from .errors import TierUnavailableError
+from . import config
+from .errors import ConfigError, TierUnavailableError
+from .safe_paths import open_file, private_dir
 
 log = logging.getLogger(__name__)
 
+SOCKET_PATH_MAX = 107  # bytes: a unix socket address holds 108, the last one a NUL
+
 
 def socket_path(run_dir: Path, job: str) -> Path:
-    return run_dir / f"{job}.sock"
+    """``<run_dir>/<job>.sock``; past the unix limit, a short name with a hash of the job.
+    ConfigError if even that does not fit (the run dir's own path is too long)."""
+    path = run_dir / f"{job}.sock"
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        return path
+    short = run_dir / f"{job[:16]}-{hashlib.sha256(job.encode()).hexdigest()[:16]}.sock"
+    path = min(path, short, key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        return path
+    raise ConfigError(
+        f"the agent's socket {path} is {len(os.fsencode(path))} bytes long, but a unix socket "
+        f"path holds at most {SOCKET_PATH_MAX}; set FLASHCKPT_RUN_DIR (or run_dir) to a "
+        f"directory whose path is at most {SOCKET_PATH_MAX - len(path.name) - 1} bytes long"
+    )
 
 
 class AgentClient:
@@ -33,6 +52,21 @@ class AgentClient:
         self.stub = pb_grpc.AgentStub(self.channel)
         self._inflight: list[grpc.Future] = []  # notices not yet answered
 
+    def listening(self) -> bool:
+        """True if the socket exists; ConfigError if it is not a socket of this user (the
+        trainer would hand its tier URLs, credentials included, to whoever listens)."""
+        try:
+            st = os.lstat(self.socket)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError(
+                f"{self.socket} is not the socket of an agent of this user (mode "
+                f"{stat.filemode(st.st_mode)}, uid {st.st_uid}); remove it and check who can "
+                f"write {self.run_dir}"
+            )
+        return True
+
     def ready(self, timeout: float) -> bool:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
@@ -45,30 +79,33 @@ class AgentClient:
         cls, job: str, run_dir: Path, shm_dir: Path, spawn: bool = True, timeout: float = 30
     ) -> AgentClient:
         """The job's agent on this node; spawned detached if none answers and ``spawn``."""
+        private_dir(run_dir, "run_dir")
         client = cls(job, run_dir)
-        if client.socket.exists() and client.ready(0.5):
+        if client.listening() and client.ready(0.5):
             return client
         if not spawn:
             raise TierUnavailableError(
                 f"no flashckpt agent answers on {client.socket}; start one with 'flashckpt-agent serve --job {job}'"
             )
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        logfile = open(run_dir / f"{job}.log", "ab")  # noqa: SIM115  (handed to the child)
+        logfile = open_file(run_dir / f"{job}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
-               "--run-dir", str(run_dir), "--exit-when-idle", "30"]  # fmt: skip
-        # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
-        subprocess.Popen(
-            cmd,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=logfile,
-            stderr=logfile,
-            close_fds=True,
-        )
-        logfile.close()
+               "--run-dir", str(run_dir), "--exit-when-idle",
+               str(config.setting_float("exit_when_idle", None, 30.0))]  # fmt: skip
+        try:
+            # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
+            subprocess.Popen(
+                cmd,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=logfile,
+                close_fds=True,
+            )
+        finally:
+            os.close(logfile)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if client.socket.exists() and client.ready(0.5):
+            if client.listening() and client.ready(0.5):
                 log.info(
                     "started the flashckpt agent for job %s (log: %s)", job, run_dir / f"{job}.log"
                 )
@@ -97,7 +134,10 @@ class AgentClient:
                 f"the flashckpt agent refused rank {rank}: {exc.details()}"
             ) from exc
 
-    def notify(self, rank: int, step: int, final: bool = False) -> bool:
+    def notify(
+        self, rank: int, step: int, final: bool = False, world_size: int = 0,
+        local_world_size: int = 0, generation: int = 0,
+    ) -> bool:  # fmt: skip
         """Tell the agent a snapshot is READY.
 
         A plain notice is fire and forget (the agent also polls), but its call is kept
@@ -106,7 +146,10 @@ class AgentClient:
         for the answer; returns whether the agent has it. Agent death stops persistence,
         never training: errors are dropped.
         """
-        req = self.pb.SnapshotReadyRequest(job=self.job, rank=rank, step=step, final=final)
+        req = self.pb.SnapshotReadyRequest(
+            job=self.job, rank=rank, step=step, final=final, pid=os.getpid(),
+            world_size=world_size, local_world_size=local_world_size, generation=generation,
+        )  # fmt: skip
         if final:
             try:
                 self.stub.SnapshotReady(req, timeout=30)

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from . import config, cuda, group
-from .agent_client import AgentClient
-from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError
+from .agent_client import AgentClient, socket_path
+from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
+from .lineage import Lineage, newest
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
+from .safe_paths import write_atomic
 from .sealer import Sealer
 from .slot import HEADER_SIZE, Slot, required_capacity
-from .slots import SlotPair
+from .slot_prep import SlotPreparer
+from .slots import SlotPair, closed_marker_path, header_or_none
 from .sources import MemorySource, TierSource
 
 log = logging.getLogger(__name__)
@@ -55,39 +59,37 @@ class Checkpointer:
         self.job = config.resolve_job(job)
         self.rank = config.resolve_rank(rank)
         self.shm_dir = config.shm_dir(shm_dir)
-        self.run_dir = config.run_dir(run_dir)
-        self.close_timeout = float(config.setting("close_timeout", close_timeout, 300))
-        self.overlap = str(config.setting("overlap", overlap, True)).lower() not in (
-            "0",
-            "false",
-            "no",
-        )
-        self.allow_pickle = allow_pickle
-        self.verify = verify
-        if chunk_size <= 0 or chunk_size % 64:
-            raise ConfigError(f"chunk_size must be a positive multiple of 64, got {chunk_size}")
+        self.run_dir = config.run_dir(run_dir, create=bool(tiers))  # only an agent uses it
+        if tiers:
+            socket_path(self.run_dir, self.job)  # one past the unix limit fails now
+        self.close_timeout = config.setting_float("close_timeout", close_timeout, 300.0)
+        self.overlap = config.setting_bool("overlap", overlap, True)
+        self.allow_pickle = config.check_flag("allow_pickle", allow_pickle)
+        self.verify = config.check_flag("verify", verify)
+        odd = isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+        if odd or chunk_size <= 0 or chunk_size % 64:
+            raise ConfigError(f"chunk_size must be a positive multiple of 64, got {chunk_size!r}")
         self.chunk_size = chunk_size
-        self.skipped = 0  # snapshots dropped because every slot was held by a reader
+        self.skipped = 0  # snapshots dropped: a reader held the only slot they could go to
 
         self._pair = SlotPair(self.shm_dir, self.job, self.rank)
         self._layout: Layout | None = None
         self._sealer = Sealer()
-        self._prep: Future | None = None
+        self._prep = SlotPreparer(self._pair)
         self._pending: Future | None = None  # a CUDA snapshot still being copied
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
         self._copier: cuda.DeviceCopier | None = None
-        self._pinned: dict[int, torch.Tensor] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._agent: AgentClient | None = None
         self._last_saved: int | None = None
+        self._lineage: Lineage | None = None  # the branch saves go to; set by restore()
 
     # ---- public API ------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> None:
         """Snapshot ``state`` as ``step``. Returns once the snapshot no longer depends on the
         caller (CPU tensors) or once the device copies are queued (CUDA, overlapped mode)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        config.check_step(step)
         with self._lock:
             self._check_open()
             tree, leaves = flatten(state)
@@ -95,45 +97,63 @@ class Checkpointer:
             manifest = Manifest(
                 self.job, self.rank, step, tree, layout.entries, layout.data_len,
                 chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
+                lineage=self._lineage or Lineage(),
             )  # fmt: skip
             raw = manifest.to_json()
             self._connect_agent()
             need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
             self._settle()
             self._pair.claim()
-            if any(s is None or s.capacity < need for s in self._pair.slots):
-                self._prepare(need + max(_MANIFEST_HEADROOM, len(raw)), leaves)
-            slot = self._pair.acquire_for_write()
-            if slot is None:
-                self.skipped += 1
-                log.warning(
-                    "step %d not snapshotted: both slots of rank %d are being read", step, self.rank
-                )
-                return
-            self._sealer.cancel(slot)
+            capacity, on_device = need + max(_MANIFEST_HEADROOM, len(raw)), _on_device(leaves)
+            self._prep.ready_target(need, capacity, on_device)
             try:
-                slot.begin_write()
-                pairs = [
-                    (_dst(slot, e, lf), lf.tensor)
-                    for e, lf in zip(layout.entries, leaves, strict=True)
-                ]
-                on_device = [(d, s) for d, s in pairs if s.is_cuda]
-                for dst, src in pairs:
-                    if not src.is_cuda:
-                        copy_into(dst, src)
-                if on_device:
-                    done = self._device_copier().copy(
-                        on_device, cuda.optimizer_owned(state.values())
+                self._snapshot(step, state, layout, leaves, manifest, raw, (need, capacity))
+            finally:  # other slots (a spare too, once needed) once the copy is done
+                self._prep.the_rest_in_background(capacity, on_device)
+
+    def _snapshot(self, step: int, state: Mapping[str, Any], layout: Layout, leaves: list[Leaf],
+                  manifest: Manifest, raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
+        """Copy ``state`` into a free slot and publish it (CUDA: once its copies land)."""
+        need, capacity = size
+        in_use = self._pair.in_use
+        slot = self._pair.acquire_for_write(need)
+        if slot is None and self._pair.in_use > in_use:
+            # Persistence lags: a reader holds the older slot and the newest snapshot is kept.
+            # The spare slot is readied now, once, and from then on three slots turn.
+            try:
+                self._prep.ready_target(need, capacity, _on_device(leaves))
+                slot = self._pair.acquire_for_write(need)
+            except SharedMemoryError as exc:  # no room for a spare: skip while it lags
+                self._pair.in_use = in_use
+                log.warning("no spare slot for rank %d: %s", self.rank, exc)
+        if slot is None:
+            self.skipped += 1
+            log.warning(
+                "step %d not snapshotted: readers (the agent storing steps) hold rank %d's "
+                "slots but the newest, which is never overwritten", step, self.rank,
+            )  # fmt: skip
+            return
+        self._sealer.cancel(slot)
+        try:
+            slot.begin_write()
+            pairs = [
+                (_dst(slot, e, lf), lf.tensor) for e, lf in zip(layout.entries, leaves, strict=True)
+            ]
+            on_device = [(d, s) for d, s in pairs if s.is_cuda]
+            for dst, src in pairs:
+                if not src.is_cuda:
+                    copy_into(dst, src)
+            if on_device:
+                done = self._device_copier().copy(on_device, cuda.optimizer_owned(state.values()))
+                if self.overlap:
+                    self._pending = self._background.submit(
+                        self._publish_after, done, slot, manifest, raw
                     )
-                    if self.overlap:
-                        self._pending = self._background.submit(
-                            self._publish_after, done, slot, manifest, raw
-                        )
-                        return
-                self._publish(slot, manifest, raw)
-            except BaseException:
-                self._abandon(slot)
-                raise
+                    return
+            self._publish(slot, manifest, raw)
+        except BaseException:
+            self._abandon(slot)
+            raise
 
     def restore(
         self, state: Mapping[str, Any], step: int | None = None, *, allow_pickle: bool | None = None
@@ -144,8 +164,10 @@ class Checkpointer:
         Also readies this rank's slots in the background, so the first ``save()`` that follows
         costs no more than a steady one.
         """
+        if allow_pickle is not None:
+            config.check_flag("allow_pickle", allow_pickle)
         allow = self.allow_pickle if allow_pickle is None else allow_pickle
-        with self._lock:
+        with self._lock, self._released_on_error():
             self._check_open()
             tree, leaves = flatten(state)
             layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
@@ -159,11 +181,12 @@ class Checkpointer:
             self._pair.open_existing()
             self._connect_agent()
             restored = self._restore(state, step, allow)
-            self._prep = self._background.submit(self._prepare, capacity, leaves)
+            # Ready the slots off the training step, the one the first save() goes to first.
+            self._prep.the_rest_in_background(capacity, _on_device(leaves))
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "
-                f"({self.shm_dir}) nor committed in {self.tiers or 'any tier'}; call restore() "
+                f"({self.shm_dir}) nor committed in {self._shown_tiers() or 'any tier'}; call restore() "
                 "without a step for the newest one"
             )
         return restored
@@ -183,7 +206,11 @@ class Checkpointer:
         def in_memory() -> set[int]:
             with self._lock:
                 self._pair.open_existing()  # another process may create the slots meanwhile
-                return {s.header().step for s in self._pair.ready()}
+                held = {
+                    (h.generation, h.step) for s in self._pair.ready() if (h := header_or_none(s))
+                }
+            gen = self.generation if self._lineage else max((g for g, _ in held), default=0)
+            return {s for g, s in held if g == gen}
 
         return self._wait_until(in_memory, step, timeout, f"shared memory ({self.shm_dir})", 0.005)
 
@@ -197,21 +224,38 @@ class Checkpointer:
             remove = True
             try:
                 self._settle()
-                remove = self._persisted_everywhere()
+                if self._last_saved is None:
+                    # Nothing of ours in the slots: free them only if they hold no snapshot
+                    # (e.g. ones restore() readied), never another trainer's.
+                    remove = self._holds_nothing()
+                else:
+                    remove = self._persisted_everywhere()
             finally:
                 self._closed = True
                 self._background.shutdown(wait=True)
+                self._prep.close()
                 self._sealer.close()
                 if self._copier is not None:
                     self._copier.close()
-                for slot in self._pair.slots:
-                    if slot is not None:
-                        self._unpin(slot)
-                if not remove:
-                    (self._pair.dir / f"rank-{self.rank}.closed").write_text(str(self._last_saved))
+                if not remove and self._last_saved is not None:
+                    marker = closed_marker_path(self.shm_dir, self.job, self.rank)
+                    write_atomic(marker, f"{self._last_saved} {self.generation}".encode())
                 self._pair.close(remove=remove)
                 if self._agent is not None:
                     self._agent.close()
+
+    def _holds_nothing(self) -> bool:
+        try:
+            self._pair.open_existing()
+        except (FlashCkptError, OSError):  # not ours to look at (or gone): leave it alone
+            return False
+        return not self._pair.ready()
+
+    @property
+    def generation(self) -> int:
+        """The branch of the job's history this Checkpointer saves into (0 until a restore
+        goes back to an older step than the newest held)."""
+        return (self._lineage or Lineage()).generation
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -220,35 +264,25 @@ class Checkpointer:
         self.close()
 
     # ---- internals -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _released_on_error(self) -> Iterator[None]:
+        """A restore that fails gives the rank's claim back, so a new Checkpointer (in this
+        process too) can take the rank; this one claims it again on its next call."""
+        try:
+            yield
+        except BaseException:
+            self._pair.release()
+            raise
+
     def _check_open(self) -> None:
         if self._closed:
             raise FlashCkptError("this Checkpointer is closed; create a new one")
 
     def _settle(self) -> None:
-        """Wait for background preparation and the CUDA snapshot in flight; re-raise errors."""
-        for attr in ("_prep", "_pending"):
-            fut = getattr(self, attr)
-            if fut is not None:
-                setattr(self, attr, None)
-                fut.result()
-
-    def _prepare(self, capacity: int, leaves: list[Leaf]) -> None:
-        for slot in self._pair.slots:
-            if slot is not None and slot.capacity < capacity:
-                self._unpin(slot)
-        self._pair.prepare(capacity)
-        if any(lf.tensor.is_cuda for lf in leaves):
-            for slot in self._pair.slots:
-                self._pin(slot)
-
-    def _pin(self, slot: Slot | None) -> None:
-        if slot is not None and id(slot) not in self._pinned and cuda.host_register(slot.buf):
-            self._pinned[id(slot)] = slot.buf
-
-    def _unpin(self, slot: Slot) -> None:
-        buf = self._pinned.pop(id(slot), None)
-        if buf is not None:
-            cuda.host_unregister(buf)
+        """Wait for the CUDA snapshot in flight; re-raise its error."""
+        fut, self._pending = self._pending, None
+        if fut is not None:
+            fut.result()
 
     def _device_copier(self) -> cuda.DeviceCopier:
         if self._copier is None:
@@ -256,14 +290,17 @@ class Checkpointer:
         return self._copier
 
     def _publish(self, slot: Slot, manifest: Manifest, raw: bytes) -> None:
-        slot.publish(manifest.step, manifest.data_len, raw, manifest.n_chunks)
+        slot.publish(manifest.step, manifest.data_len, raw, manifest.n_chunks, manifest.generation)
         seq = slot.seq()
         slot.unlock()
         self._sealer.release()
         self._sealer.submit(slot, seq, manifest)
         self._last_saved = manifest.step
         if self._agent is not None:
-            self._agent.notify(self.rank, manifest.step)
+            self._agent.notify(
+                self.rank, manifest.step, world_size=manifest.world_size or 0,
+                local_world_size=config.local_world_size(), generation=manifest.generation,
+            )  # fmt: skip
 
     def _publish_after(
         self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes
@@ -281,22 +318,49 @@ class Checkpointer:
         self._sealer.release()
 
     def _restore(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
-        """Restore the newest step every rank can get; each rank from its fastest source."""
+        """Restore the newest step every rank can get, each rank from its fastest source, and
+        set the branch the next saves go to."""
         sources = [MemorySource(self._pair, self.verify)]
         sources += [TierSource(url, self.job, self.rank, self.verify) for url in self.tiers]
-        held = [src.steps() for src in sources]
-        candidates = set().union(*held)
+        held = [src.snapshots() for src in sources]
+        known = {k: lin for h in held for k, lin in h.items()}
+        # Every rank follows the branch of the newest generation any rank holds: steps of an
+        # abandoned branch (saved before a rollback) are never candidates.
+        lineage = newest(group.gather(newest(list(known.values()))))  # type: ignore[arg-type]
+        mine = {s: (g, s) for g, s in known if lineage.holds(g, s)}
+        newest_held = max(group.gather(max(mine, default=-1)))  # type: ignore[type-var]
+        newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
+        restored = self._load_agreed(state, sources, held, mine, step, allow)
+        if restored == newest_held or newest_held < 0:
+            self._lineage = lineage
+        else:
+            # Going back (asked for, or past corrupt copies) starts a new branch: the steps
+            # saved from here on are stored apart from the abandoned ones, and preferred.
+            self._lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
+            log.info("job %s rank %d: restored step %s of %d held; later saves start "
+                     "generation %d", self.job, self.rank, restored, newest_held,
+                     self._lineage.generation)  # fmt: skip
+        return restored
+
+    def _load_agreed(self, state: Mapping[str, Any], sources: list, held: list[dict],
+                     mine: dict[int, tuple[int, int]], step: int | None,
+                     allow: bool) -> int | None:  # fmt: skip
+        """Load the newest step of ``mine`` every rank can get (or ``step``); the step."""
+        candidates = set(mine)
         while True:
             choice = group.newest_common(candidates) if step is None else step
             if choice is None:
                 return None
-            ok = False
-            for src, steps in zip(sources, held, strict=True):
-                if choice in steps and src.load(state, choice, allow):
-                    log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
-                    ok = True
-                    break
-            if group.all_true(ok):
+            key, ok, error = mine.get(choice), False, None
+            try:  # a bad copy makes load() False; anything raised is an error of the caller's
+                for src, keys in zip(sources, held, strict=True):
+                    if key in keys and src.load(state, key, allow):
+                        log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
+                        ok = True
+                        break
+            except Exception as exc:  # raised below on every rank together, not here alone
+                error = exc
+            if group.all_true(ok, error):
                 return choice
             if step is not None:
                 return None
@@ -311,14 +375,25 @@ class Checkpointer:
 
     def _wait_tier(self, tier: str, step: int | None, timeout: float | None) -> int:
         from .storage_tiers import parse_spec
+        from .storage_tiers.registry import redact
 
         same = [t for t in self.tiers if parse_spec(t).url == parse_spec(tier).url]
         if not same:
-            raise ConfigError(f"tier {tier!r} is not one of this Checkpointer's tiers {self.tiers}")
-        url = same[0]
+            raise ConfigError(
+                f"tier {redact(tier)!r} is not one of this Checkpointer's tiers "
+                f"{self._shown_tiers()}"
+            )
         want = step if step is not None else self._last_saved
-        source = TierSource(url, self.job, self.rank, verify=False)
-        return self._wait_until(source.steps, want, timeout, url, 0.1)
+        source = TierSource(same[0], self.job, self.rank, verify=False)
+        return self._wait_until(
+            lambda: source.steps(self._lineage), want, timeout, source.name, 0.1
+        )
+
+    def _shown_tiers(self) -> list[str]:
+        """The tier URLs fit for messages: credentials shown as ***."""
+        from .storage_tiers.registry import redact
+
+        return [redact(t) for t in self.tiers]
 
     def _wait_until(self, steps: Callable[[], set[int]], want: int | None, timeout: float | None,
                     where: str, interval: float) -> int:  # fmt: skip
@@ -341,7 +416,11 @@ class Checkpointer:
         if not self.tiers or self._last_saved is None or self._agent is None:
             return True
         step = self._last_saved
-        if not self._agent.notify(self.rank, step, final=True):  # through any throttle
+        gen = self.generation
+        shape = {"world_size": group.world_size(), "local_world_size": config.local_world_size()}
+        if not self._agent.notify(
+            self.rank, step, True, generation=gen, **shape
+        ):  # final: through any throttle
             return False
         deadline = time.monotonic() + self.close_timeout
         while time.monotonic() < deadline:
@@ -352,7 +431,11 @@ class Checkpointer:
                     "the agent does not answer (%s); step %d stays in shared memory", exc, step
                 )
                 return False
-            behind = [t for t in status if t.last_committed_step < step]
+            behind = [
+                t
+                for t in status
+                if (t.last_committed_generation, t.last_committed_step) < (gen, step)
+            ]
             if all(t.last_error for t in behind):  # every tier has it, or is failing
                 for t in behind:
                     log.error("step %d is not persisted in %s: %s", step, t.url, t.last_error)
@@ -361,6 +444,10 @@ class Checkpointer:
         log.warning("tiers still persisting step %d after %.0fs; the agent finishes and frees the slots",
                     step, self.close_timeout)  # fmt: skip
         return False
+
+
+def _on_device(leaves: list[Leaf]) -> bool:
+    return any(lf.tensor.is_cuda for lf in leaves)
 
 
 def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import crc32c as _crc32c
 
@@ -44,11 +44,23 @@ def chunk_mismatch(where: str, entry: Entry, i: int, got: int, chunk_size: int) 
     )
 
 
-def verify_entry(data: memoryview, entry: Entry, chunk_size: int, where: str) -> None:
-    """Raise ChecksumError naming the entry and chunk if ``data`` does not match ``entry``."""
+def bad_chunks(
+    data: memoryview, entry: Entry, chunk_size: int, where: str
+) -> Iterator[ChecksumError]:
+    """One ChecksumError per chunk of ``entry`` whose bytes in ``data`` do not match, in order.
+
+    An entry without checksums yields nothing: only a shared-memory snapshot the sealer has
+    not reached yet has none (a tier copy without them is refused when its manifest is read).
+    """
     if entry.checksums is None:
         return
     for i, (start, end) in enumerate(entry.chunk_ranges(chunk_size)):
         got = crc(data[start:end])
         if got != entry.checksums[i]:
-            raise chunk_mismatch(where, entry, i, got, chunk_size)
+            yield chunk_mismatch(where, entry, i, got, chunk_size)
+
+
+def verify_entry(data: memoryview, entry: Entry, chunk_size: int, where: str) -> None:
+    """Raise ChecksumError naming the entry and chunk if ``data`` does not match ``entry``."""
+    for error in bad_chunks(data, entry, chunk_size, where):
+        raise error

@@ -1,7 +1,9 @@
 """``flashckpt``: look at and check snapshots in shared memory and in storage tiers.
 
 flashckpt list   --job J [--tier URL ...]      steps held in memory and committed per tier
-flashckpt verify --job J --tier URL [--step N] re-read a committed step, checking every chunk
+flashckpt verify --job J --tier URL [--step N] re-read a committed step as a restore would:
+                                               every manifest, size and chunk; exit 1 on any
+                                               problem, each one reported
 """
 
 from __future__ import annotations
@@ -10,68 +12,119 @@ import argparse
 import sys
 
 from . import config, tier_io
-from .checksum import verify_entry
-from .errors import FlashCkptError
+from .checksum import bad_chunks
+from .errors import FlashCkptError, SharedMemoryError
 from .slot import Slot
 from .slots import N_SLOTS, ranks_in, slot_path
 from .sources import run_with_tier
+from .storage_tiers.registry import redact
 
 
 def _list(args: argparse.Namespace) -> int:
-    shm = config.shm_dir(args.shm_dir)
+    shm = config.shm_dir(args.shm_dir, create=False)
     print(f"memory ({shm / args.job}):")
     for rank in ranks_in(shm, args.job):
         for i in range(N_SLOTS):
+            path = slot_path(shm, args.job, rank, i)
             try:
-                slot = Slot.open_readonly(slot_path(shm, args.job, rank, i))
-            except OSError:
+                slot = Slot.open_readonly(path)
+            except FileNotFoundError:
                 continue
-            h = slot.header()
+            except OSError as exc:  # not a slot (any more), or unreadable: say so, go on
+                print(f"  rank {rank} slot {i}: corrupt ({exc})")
+                continue
+            try:
+                h = slot.header()
+            except SharedMemoryError as exc:
+                print(f"  rank {rank} slot {i}: corrupt ({exc})")
+                continue
+            finally:
+                slot.close()
             state = (
                 f"READY step {h.step}" + (" sealed" if h.sealed else "")
                 if h.readable
                 else h.state.name
             )
             print(f"  rank {rank} slot {i}: {state} ({h.data_len / 2**20:.1f} MiB)")
-            slot.close()
+    failed = False
     for url in args.tier:
-        steps = run_with_tier(url, lambda t: tier_io.list_steps(t, args.job))
-        print(f"{url}:")
-        for step, c in sorted(steps.items()):
-            what = (
-                "uncommitted"
-                if c is None
-                else f"ranks {sorted(c.ranks)} of {c.world_size}"
-                + (" committed" if c.complete else " partial")
-            )
-            print(f"  step {step}: {what}")
-    return 0
+        print(f"{redact(url)}:")
+        try:
+            steps = run_with_tier(url, lambda t: tier_io.list_steps(t, args.job))
+        except (FlashCkptError, OSError) as exc:
+            print(f"  cannot be listed: {exc}")
+            failed = True
+            continue
+        for (gen, step), c in sorted(steps.items(), key=lambda kc: (kc[0][1], kc[0][0])):
+            branch = f" (generation {gen})" if gen else ""
+            print(f"  step {step}{branch}: {_commit_state(c)}")
+    return 1 if failed else 0
+
+
+def _commit_state(c: tier_io.CommittedStep | None) -> str:
+    if c is None:
+        return "uncommitted"
+    what = f"ranks {sorted(c.ranks)} of {c.world_size}" + (
+        " committed" if c.complete else " partial"
+    )
+    if c.problems:
+        what += f", corrupt: {len(c.problems)} commit marker(s) unreadable: " + "; ".join(
+            c.problems
+        )
+    return what
+
+
+async def _verify_rank(tier, url: str, job: str, key: tuple[int, int], rank: int) -> list[str]:
+    """Everything wrong with one rank's copy of ``key``: what a restore would refuse."""
+    gen, step = key
+    try:
+        manifest, data = await tier_io.read_rank(tier, job, step, rank, gen)
+    except FlashCkptError as exc:
+        return [str(exc)]
+    view = memoryview(data.numpy())
+    where = f"{url} step {step} rank {rank}"
+    problems = [
+        str(e)
+        for entry in manifest.entries
+        for e in bad_chunks(view, entry, manifest.chunk_size, where)
+    ]
+    if not problems:
+        print(
+            f"step {step} rank {rank}: {len(manifest.entries)} entries, {manifest.n_chunks} chunks OK"
+        )
+    return problems
 
 
 def _verify(args: argparse.Namespace) -> int:
+    url = args.tier[0]
+    shown = redact(url)  # no credentials in what is printed
+
     async def go(tier) -> int:
         listing = await tier_io.list_steps(tier, args.job)
-        done = sorted(s for s, c in listing.items() if c is not None and c.complete)
+        lineage = tier_io.head(listing)  # the branch a restore would take
+        ours = {s: (g, s) for g, s in listing if lineage.holds(g, s)}
+        done = sorted(tier_io.in_lineage(listing, lineage))
         step = args.step if args.step is not None else (done[-1] if done else None)
-        if step not in listing or listing[step] is None:
-            print(
-                f"step {step} is not committed in {args.tier[0]} (committed: {done})",
-                file=sys.stderr,
-            )
+        key = ours.get(step) if step is not None else None
+        c = listing.get(key) if key is not None else None
+        if c is None or not (c.ranks or c.problems):
+            print(f"step {step} is not committed in {shown} (committed: {done})", file=sys.stderr)
             return 2
-        for rank in sorted(listing[step].ranks):
-            manifest, data = await tier_io.read_rank(tier, args.job, step, rank)
-            view = memoryview(data.numpy())
-            for entry in manifest.entries:
-                verify_entry(
-                    view, entry, manifest.chunk_size, f"{args.tier[0]} step {step} rank {rank}"
-                )
-            print(
-                f"step {step} rank {rank}: {len(manifest.entries)} entries, {manifest.n_chunks} chunks OK"
+        problems = list(c.problems)
+        if not c.complete:
+            problems.append(
+                f"{shown} step {step}: only ranks {sorted(c.ranks)} of {c.world_size} are "
+                "committed; a restore cannot use this step"
             )
-        return 0
+        for rank in sorted(c.ranks):
+            problems += await _verify_rank(tier, shown, args.job, key, rank)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print(f"step {step} in {shown}: {len(problems)} problem(s) found", file=sys.stderr)
+        return 1 if problems else 0
 
-    return run_with_tier(args.tier[0], go)
+    return run_with_tier(url, go)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config.validate_name("job", args.job)
         sys.exit(args.fn(args))
-    except FlashCkptError as exc:
+    except (FlashCkptError, OSError) as exc:  # a tier that cannot be reached, a bad argument
         print(f"flashckpt: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -41,3 +41,9 @@ class ConfigError(FlashCkptError, ValueError):
 
 class RankBusyError(FlashCkptError, RuntimeError):
     """Another live process already saves for this job and rank."""
+
+
+class CorruptSlotError(SharedMemoryError):
+    """A shared-memory slot file does not hold a header flashckpt wrote: never initialised (a
+    writer killed while creating it), truncated, or overwritten. Readers skip it; the rank's
+    owner reinitialises it."""

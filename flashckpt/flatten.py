@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .manifest import Entry, ShardInfo, dtype_name, encode_scalar
+from .manifest import MAX_TREE_DEPTH, Entry, ShardInfo, dtype_name, encode_scalar
 from .slot import align
 
 try:  # DTensor is public from torch 2.4 on; older builds simply have none to flatten
@@ -87,7 +87,13 @@ class Flattener:
         self.leaves.append(Leaf(path, kind, tensor, shard))
         return {"t": kind, "i": len(self.leaves) - 1}
 
-    def node(self, value: Any, path: str) -> Any:
+    def node(self, value: Any, path: str, depth: int = 0) -> Any:
+        container = isinstance(value, (Mapping, list, tuple)) or is_stateful(value)
+        if container and depth >= MAX_TREE_DEPTH:  # a restore would refuse it: fail now
+            raise TypeError(
+                f"{path}: the state nests containers deeper than {MAX_TREE_DEPTH} levels, "
+                "which no snapshot may hold; flatten that part of the state"
+            )
         if isinstance(value, torch.Tensor):
             source, shard = tensor_source(value, path)
             return self._leaf("tensor", path, source, shard)
@@ -97,21 +103,22 @@ class Flattener:
             return {
                 "t": "dict",
                 "items": [
-                    [self.key(k, path), self.node(v, join(path, k))] for k, v in value.items()
+                    [self.key(k, path), self.node(v, join(path, k), depth + 1)]
+                    for k, v in value.items()
                 ],
             }
         if isinstance(value, list):
             return {
                 "t": "list",
-                "items": [self.node(v, join(path, i)) for i, v in enumerate(value)],
+                "items": [self.node(v, join(path, i), depth + 1) for i, v in enumerate(value)],
             }
         if type(value) is tuple:
             return {
                 "t": "tuple",
-                "items": [self.node(v, join(path, i)) for i, v in enumerate(value)],
+                "items": [self.node(v, join(path, i), depth + 1) for i, v in enumerate(value)],
             }
         if is_stateful(value):
-            return {"t": "stateful", "v": self.node(value.state_dict(), path)}
+            return {"t": "stateful", "v": self.node(value.state_dict(), path, depth + 1)}
         try:
             return encode_scalar(value)
         except TypeError:

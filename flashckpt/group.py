@@ -46,5 +46,31 @@ def newest_common(steps: Iterable[int]) -> int | None:
     return max(common) if common else None
 
 
-def all_true(flag: bool) -> bool:
-    return all(gather(bool(flag)))
+def all_true(flag: bool, error: BaseException | None = None) -> bool:
+    """True if every rank's ``flag`` is.
+
+    The same all-gather carries ``error``: a failure on this rank that is not a bad copy (the
+    state does not match the snapshot, a pickle is not allowed, a ``load_state_dict`` raised).
+    If any rank had one, every rank raises (its own error, or one naming the rank that
+    failed), so no rank dies alone and leaves the others waiting in a collective.
+    """
+    said = None if error is None else (type(error).__name__, str(error))
+    outcomes = gather((bool(flag), said))
+    if error is not None:
+        raise error
+    failed = [(rank, e) for rank, (_, e) in enumerate(outcomes) if e is not None]  # type: ignore[misc]
+    if failed:
+        rank, (kind, message) = failed[0]
+        raise _same_kind(kind, f"rank {rank} failed to restore: {message}")
+    return all(ok for ok, _ in outcomes)  # type: ignore[misc]
+
+
+def _same_kind(kind: str, message: str) -> Exception:
+    """A flashckpt error of the class named ``kind`` (so every rank can catch the same one),
+    else the base FlashCkptError."""
+    from . import errors
+
+    cls = getattr(errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.FlashCkptError):
+        return cls(message)
+    return errors.FlashCkptError(f"{kind}: {message}")

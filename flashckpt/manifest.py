@@ -8,6 +8,7 @@ others are pickled into the data and need ``allow_pickle=True`` to come back.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from .errors import ManifestError
+from .lineage import Lineage
 
 FORMAT_VERSION = 1
 DEFAULT_CHUNK_SIZE = 4 * 2**20
@@ -98,6 +100,11 @@ class Manifest:
     created_at: float = 0.0
     world_size: int | None = None
     meta: dict = field(default_factory=dict)
+    lineage: Lineage = Lineage()  # the branch of the job's history this step belongs to
+
+    @property
+    def generation(self) -> int:
+        return self.lineage.generation
 
     @property
     def n_chunks(self) -> int:
@@ -126,45 +133,299 @@ class Manifest:
         # save for a real model's state; the tree is JSON-ready already.
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["entries"] = [e.to_doc() for e in self.entries]
+        doc["lineage"] = self.lineage.to_doc()
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str, source: str = "manifest") -> Manifest:
+    def from_json(
+        cls, raw: bytes | str, source: str = "manifest", require_checksums: bool = False
+    ) -> Manifest:
+        """Parse and check a manifest read back from memory or a tier (see ``_Checker``).
+
+        ``require_checksums``: refuse entries stored without checksums (a tier copy always
+        has them; a shared-memory manifest gets them from the slot once sealed).
+        """
+        doc = load_json(raw, source, "manifest")
+        return _Checker(source).manifest(doc, require_checksums)
+
+
+def load_json(raw: bytes | str, source: str, what: str) -> Any:
+    """``json.loads`` for bytes read back: every failure (bad UTF-8, bad JSON, nesting deep
+    enough to exhaust the parser's recursion) becomes a ManifestError naming ``source``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, TypeError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        kind = "nested too deeply" if isinstance(exc, RecursionError) else f"not valid JSON ({exc})"
+        raise ManifestError(
+            f"{source}: the {what} is {kind}; the copy is corrupt, "
+            "restore from another tier or an older step"
+        ) from None
+
+
+# ---- checking a manifest read back -------------------------------------------------
+# Everything a restore relies on is checked here, once, so nothing past this point can fail
+# on a corrupt manifest with anything but a flashckpt error: every field's type and range,
+# every entry's bytes inside data_len and consistent with its dtype and shape, the chunk
+# numbering the checksums follow, and a tree whose every node decodes and whose depth is
+# bounded (the restore walks it recursively).
+
+MAX_TREE_DEPTH = 100
+"""Containers nested deeper than this are refused; real states nest a handful of levels."""
+MAX_NDIM = 64
+_MAX_DIM = 2**63  # torch sizes are int64
+_KINDS = ("tensor", "ndarray", "pickle")
+_REQUIRED = {"format_version", "job", "rank", "step", "tree", "entries", "data_len"}
+_OPTIONAL = {"chunk_size", "checksum_algorithm", "created_at", "world_size", "meta", "lineage"}
+_ENTRY_REQUIRED = {"path", "kind", "dtype", "shape", "offset", "nbytes", "first_chunk"}
+_ENTRY_OPTIONAL = {"checksums", "shard", "device"}
+_SHARD_FIELDS = {"global_shape", "global_offset", "placements", "mesh_shape"}
+_CONTAINERS = ("dict", "list", "tuple", "stateful")
+_SCALAR_TAGS = ("float", "dtype", "device", "bytes")
+
+
+def _show(value: Any) -> str:
+    """``value`` for an error message: short, and never an error itself."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # nested too deeply; an int past repr's digit limit
+        return f"a {type(value).__name__} that cannot be shown"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # bool is an int to isinstance, never to a manifest
+
+
+@functools.cache
+def _numpy_dtypes() -> frozenset[str]:
+    """Dtypes an ``ndarray`` entry may have: those numpy can view."""
+    out = set()
+    for name, dtype in _DTYPES.items():
         try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{source} is not valid JSON: {exc}") from exc
+            torch.empty(0, dtype=dtype).numpy()
+        except (TypeError, RuntimeError):
+            continue
+        out.add(name)
+    return frozenset(out)
+
+
+class _Checker:
+    """Turns a decoded manifest document into a Manifest, or raises ManifestError."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, what: str) -> ManifestError:
+        return ManifestError(
+            f"{self.source}: {what}; the copy is corrupt, restore from another tier or an "
+            "older step"
+        )
+
+    def int_(self, value: Any, what: str, low: int = 0) -> int:
+        if not _is_int(value) or value < low:
+            raise self.fail(f"{what} must be an integer >= {low}, found {_show(value)}")
+        return value
+
+    def fields(self, doc: Any, what: str, required: set[str], optional: set[str]) -> dict:
+        if not isinstance(doc, dict):
+            raise self.fail(f"{what} must be a JSON object, found {_show(doc)}")
+        missing, unknown = required - doc.keys(), doc.keys() - required - optional
+        if missing or unknown:
+            raise self.fail(
+                f"{what} must have the fields {sorted(required)} (optionally "
+                f"{sorted(optional)}); missing {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        return doc
+
+    def manifest(self, doc: Any, require_checksums: bool) -> Manifest:
         if not isinstance(doc, dict) or "format_version" not in doc:
-            raise ManifestError(f"{source} has no format_version; it is not a flashckpt manifest")
-        version = doc["format_version"]
-        if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ManifestError(
-                f"{source} has format_version {version!r}, newer than the {FORMAT_VERSION} this "
-                "flashckpt reads; upgrade flashckpt to restore it"
+                f"{self.source} has no format_version; it is not a flashckpt manifest"
             )
-        try:
-            entries = tuple(
-                Entry(
-                    **{
-                        **e,
-                        "shape": tuple(e["shape"]),
-                        "checksums": tuple(e["checksums"])
-                        if e.get("checksums") is not None
-                        else None,
-                        "shard": _shard(e.get("shard")),
-                    }
+        version = doc["format_version"]
+        if _is_int(version) and version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{self.source} has format_version {version!r}, newer than the {FORMAT_VERSION} "
+                "this flashckpt reads; upgrade flashckpt to restore it"
+            )
+        self.int_(version, "format_version", 1)
+        self.fields(doc, "the manifest", _REQUIRED, _OPTIONAL)
+        if not isinstance(doc["job"], str):
+            raise self.fail(f"job must be a string, found {_show(doc['job'])}")
+        data_len = self.int_(doc["data_len"], "data_len")
+        chunk_size = self.int_(doc.get("chunk_size", DEFAULT_CHUNK_SIZE), "chunk_size", 1)
+        algorithm = doc.get("checksum_algorithm", "crc32c")
+        if algorithm != "crc32c":
+            raise self.fail(f"checksum_algorithm must be 'crc32c', found {_show(algorithm)}")
+        created_at = doc.get("created_at", 0.0)
+        if type(created_at) not in (int, float):
+            raise self.fail(f"created_at must be a number, found {_show(created_at)}")
+        world_size = doc.get("world_size")
+        if world_size is not None:
+            self.int_(world_size, "world_size", 1)
+        meta = doc.get("meta", {})
+        if not isinstance(meta, dict):
+            raise self.fail(f"meta must be a JSON object, found {_show(meta)}")
+        raw_entries = doc["entries"]
+        if not isinstance(raw_entries, list):
+            raise self.fail(f"entries must be a list, found {_show(raw_entries)}")
+        entries: list[Entry] = []
+        chunks = 0
+        for i, raw in enumerate(raw_entries):
+            entry = self.entry(raw, f"entry {i}", data_len, chunk_size, chunks, require_checksums)
+            chunks += entry.n_chunks(chunk_size)
+            entries.append(entry)
+        self.tree(doc["tree"], entries)
+        return Manifest(
+            job=doc["job"], rank=self.int_(doc["rank"], "rank"),
+            step=self.int_(doc["step"], "step"), tree=doc["tree"], entries=tuple(entries),
+            data_len=data_len, chunk_size=chunk_size, format_version=version,
+            checksum_algorithm=algorithm, created_at=created_at, world_size=world_size, meta=meta,
+            lineage=Lineage.from_doc(doc.get("lineage"), self.source),
+        )  # fmt: skip
+
+    def shape(self, value: Any, what: str, low: int = 0) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > MAX_NDIM:
+            raise self.fail(
+                f"{what} must be a list of at most {MAX_NDIM} sizes, found {_show(value)}"
+            )
+        for d in value:
+            if not _is_int(d) or not low <= d < _MAX_DIM:
+                raise self.fail(
+                    f"{what} must hold integers in [{low}, 2**63), found {_show(value)}"
                 )
-                for e in doc.pop("entries")
+        return tuple(value)
+
+    def entry(self, doc: Any, what: str, data_len: int, chunk_size: int, first_chunk: int,
+              require_checksums: bool) -> Entry:  # fmt: skip
+        self.fields(doc, what, _ENTRY_REQUIRED, _ENTRY_OPTIONAL)
+        path = doc["path"]
+        if not isinstance(path, str):
+            raise self.fail(f"{what}: path must be a string, found {_show(path)}")
+        what = f"{what} ({path[:80]!r})"
+        kind, name = doc["kind"], doc["dtype"]
+        if kind not in _KINDS:
+            raise self.fail(f"{what}: kind must be one of {list(_KINDS)}, found {_show(kind)}")
+        if not isinstance(name, str) or name not in _DTYPES or name in _UNSUPPORTED_DTYPES:
+            raise self.fail(f"{what}: dtype {_show(name)} is not a dtype flashckpt stores")
+        itemsize = _DTYPES[name].itemsize
+        shape = self.shape(doc["shape"], f"{what}: shape")
+        offset = self.int_(doc["offset"], f"{what}: offset")
+        nbytes = self.int_(doc["nbytes"], f"{what}: nbytes")
+        if kind == "pickle" and (name != "uint8" or len(shape) != 1):
+            raise self.fail(f"{what}: a pickle entry is 1-d uint8, found {name} {list(shape)}")
+        if kind == "ndarray" and name not in _numpy_dtypes():
+            raise self.fail(f"{what}: an ndarray entry cannot have dtype {name}")
+        if math.prod(shape) * itemsize != nbytes:
+            raise self.fail(
+                f"{what}: nbytes must be numel x itemsize = {math.prod(shape)} x {itemsize} for "
+                f"shape {list(shape)} {name}, found {nbytes}"
             )
-            return cls(**doc, entries=entries)
-        except (TypeError, KeyError) as exc:
-            raise ManifestError(f"{source} is malformed: {exc}") from exc
+        if offset + nbytes > data_len or offset % itemsize:
+            raise self.fail(
+                f"{what}: bytes {offset}-{offset + nbytes} must lie inside the {data_len} bytes "
+                f"of data, starting at a multiple of {itemsize}"
+            )
+        if doc["first_chunk"] != first_chunk or not _is_int(doc["first_chunk"]):
+            raise self.fail(
+                f"{what}: first_chunk must be {first_chunk} (the chunks of the entries before "
+                f"it), found {_show(doc['first_chunk'])}"
+            )
+        n = -(-nbytes // chunk_size)
+        sums = doc.get("checksums")
+        if sums is None:
+            if require_checksums and n:
+                raise self.fail(
+                    f"{what}: checksums are null; a stored copy must carry one crc32c per chunk"
+                )
+        elif (
+            not isinstance(sums, list) or len(sums) != n
+            or not all(_is_int(c) and 0 <= c < 2**32 for c in sums)
+        ):  # fmt: skip
+            raise self.fail(
+                f"{what}: checksums must be a list of {n} crc32c values (one per chunk of "
+                f"{chunk_size} bytes), found {_show(sums)}"
+            )
+        device = doc.get("device", "cpu")
+        if not isinstance(device, str):
+            raise self.fail(f"{what}: device must be a string, found {_show(device)}")
+        return Entry(
+            path=path, kind=kind, dtype=name, shape=shape, offset=offset, nbytes=nbytes,
+            first_chunk=first_chunk, checksums=None if sums is None else tuple(sums),
+            shard=self.shard(doc.get("shard"), what, len(shape)), device=device,
+        )  # fmt: skip
 
+    def shard(self, doc: Any, what: str, ndim: int) -> ShardInfo | None:
+        if doc is None:
+            return None
+        what = f"{what}: shard"
+        self.fields(doc, what, _SHARD_FIELDS, set())
+        placements = doc["placements"]
+        if not isinstance(placements, list) or not all(isinstance(p, str) for p in placements):
+            raise self.fail(
+                f"{what}: placements must be a list of strings, found {_show(placements)}"
+            )
+        info = ShardInfo(
+            global_shape=self.shape(doc["global_shape"], f"{what}: global_shape"),
+            global_offset=self.shape(doc["global_offset"], f"{what}: global_offset"),
+            placements=tuple(placements),
+            mesh_shape=self.shape(doc["mesh_shape"], f"{what}: mesh_shape", 1),
+        )
+        if not len(info.global_shape) == len(info.global_offset) == ndim:
+            raise self.fail(
+                f"{what}: global_shape and global_offset must have the entry's {ndim} dims, "
+                f"found {list(info.global_shape)} and {list(info.global_offset)}"
+            )
+        return info
 
-def _shard(doc: dict | None) -> ShardInfo | None:
-    if doc is None:
-        return None
-    return ShardInfo(**{k: tuple(v) for k, v in doc.items()})
+    def tree(self, root: Any, entries: list[Entry]) -> None:
+        """Check every node, iteratively, so a deep tree is an error, not a RecursionError."""
+        if not (isinstance(root, dict) and root.get("t") == "dict"):
+            raise self.fail(f"tree must be a dict node, found {_show(root)}")
+        stack: list[tuple[Any, int, bool]] = [(root, 0, False)]  # node, depth, is a dict key
+        while stack:
+            node, depth, is_key = stack.pop()
+            if node is None or isinstance(node, (bool, int, float, str)):
+                continue
+            tag = node.get("t") if isinstance(node, dict) else None
+            if tag in _CONTAINERS and depth >= MAX_TREE_DEPTH:
+                raise self.fail(f"tree nests containers deeper than {MAX_TREE_DEPTH} levels")
+            if is_key and tag not in ("tuple", *_SCALAR_TAGS):
+                raise self.fail(f"tree: {_show(node)} cannot be a dict key")
+            if tag in ("list", "tuple", "dict"):
+                items = node.get("items")
+                if not isinstance(items, list):
+                    raise self.fail(
+                        f"tree: a {tag} node needs a list of items, found {_show(node)}"
+                    )
+                if tag == "dict":
+                    for item in items:
+                        if not (isinstance(item, list) and len(item) == 2):
+                            raise self.fail(
+                                f"tree: dict items are [key, value], found {_show(item)}"
+                            )
+                        stack += [(item[0], depth + 1, True), (item[1], depth + 1, False)]
+                else:
+                    stack += [(item, depth + 1, is_key) for item in items]
+            elif tag == "stateful" and "v" in node:
+                stack.append((node["v"], depth + 1, False))
+            elif tag in _KINDS:
+                i = node.get("i")
+                if not (_is_int(i) and 0 <= i < len(entries) and entries[i].kind == tag):
+                    raise self.fail(
+                        f"tree: {_show(node)} must name one of the {len(entries)} entries, "
+                        f"of kind {tag}"
+                    )
+            elif tag in _SCALAR_TAGS:
+                self.scalar(node)
+            else:
+                raise self.fail(f"tree: {_show(node)} is not a tree node")
+
+    def scalar(self, node: dict) -> None:
+        try:
+            decode_scalar(node)
+        except (ManifestError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise self.fail(f"tree: {_show(node)} does not decode ({exc})") from None
 
 
 # ---- tree encoding for non-tensor leaves --------------------------------------------

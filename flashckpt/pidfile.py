@@ -1,28 +1,101 @@
-"""An exclusive, crash-safe claim: a flock on a file holding the owner's pid."""
+"""An exclusive, crash-safe claim: a flock on a file holding the owner's pid.
+
+The kernel drops a dead process's flock, so a crashed owner never wedges the claim. An owner
+may unlink the file when it gives the claim up (while still holding the lock); a contender
+that opened the old file just before then would lock an orphan, so after locking it checks
+that the path still names the file it locked, and starts over if not. A flock belongs to an
+open file description: a second claim from the same process is refused like any other.
+"""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
+
+from .safe_paths import open_file
+
+_ATTEMPTS = 100
+_PID_WAIT_S = 0.5  # how long a contender waits for a new holder to write its pid
 
 
 class PidFileBusy(Exception):
-    def __init__(self, pid: str):
+    """Another open claim holds the file; ``pid`` is the holder's, None if it is not known."""
+
+    def __init__(self, pid: int | None):
         super().__init__(pid)
         self.pid = pid
+
+    def holder(self) -> str:
+        """The holder in words, for error messages."""
+        if self.pid is None:
+            return "another process, whose pid is not recorded yet"
+        if self.pid == os.getpid():
+            return f"this process (pid {self.pid}), through another claim that is still open"
+        return f"pid {self.pid}"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def lock_pidfile(path: Path) -> int:
     """Lock ``path`` and write our pid in it; the fd holds the claim until it is closed (or
-    the process dies). Raises PidFileBusy with the holder's pid if another process has it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    the process dies). Raises PidFileBusy with the holder's pid if another claim has it, and
+    FileNotFoundError if the directory is gone."""
+    for _ in range(_ATTEMPTS):
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = _holder(fd, path)
+            except _Replaced:
+                continue
+            finally:
+                os.close(fd)
+            raise PidFileBusy(pid) from None
+        if not _names(path, fd):  # unlinked (or replaced) between our open and flock
+            os.close(fd)
+            continue
+        pid = str(os.getpid()).encode()
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))  # after the write: a reader never sees an empty file
+        return fd
+    raise PidFileBusy(None)
+
+
+class _Replaced(Exception):
+    """The path was unlinked or replaced while we looked at the file it named."""
+
+
+def _names(path: Path, fd: int) -> bool:
+    """True if ``path`` is still the file open as ``fd``."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise PidFileBusy(pid) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _holder(fd: int, path: Path) -> int | None:
+    """The pid the holder of ``fd``'s lock recorded: waits briefly for a holder that has
+    locked but not yet written it. _Replaced if the path no longer names that file."""
+    deadline = time.monotonic() + _PID_WAIT_S
+    pid = None
+    while True:
+        if not _names(path, fd):
+            raise _Replaced
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        pid = int(text) if text.isdigit() else pid
+        if (pid is not None and pid_alive(pid)) or time.monotonic() > deadline:
+            return pid
+        time.sleep(0.01)

@@ -7,19 +7,29 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ManifestError, RankBusyError, SharedMemoryError
+from .errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
 from .manifest import Manifest
 from .pidfile import PidFileBusy, lock_pidfile
+from .safe_paths import private_dir
 from .slot import Slot, SlotHeader, SlotState, shm_space_error
 
-N_SLOTS = 2
-_SLOT_RE = re.compile(r"^rank-(\d+)\.slot-(\d+)$")
+log = logging.getLogger(__name__)
+
+N_SLOTS = 3
+"""Slot files a rank may have: two in use, plus a spare made only when persistence lags."""
+N_STEADY = 2
+_CLAIM_ATTEMPTS = 20
+_CLAIM_GRACE_S = 1.0  # an agent freeing a closed rank's slots holds its owner lock briefly
+_SLOT_RE = re.compile(r"rank-(\d+)\.slot-(\d+)")
 
 
 def job_dir(shm_dir: Path, job: str) -> Path:
@@ -30,11 +40,54 @@ def slot_path(shm_dir: Path, job: str, rank: int, index: int) -> Path:
     return job_dir(shm_dir, job) / f"rank-{rank}.slot-{index}"
 
 
+def owner_path(shm_dir: Path, job: str, rank: int) -> Path:
+    return job_dir(shm_dir, job) / f"rank-{rank}.owner"
+
+
+def closed_marker_path(shm_dir: Path, job: str, rank: int) -> Path:
+    """Written by a trainer that closed before every tier had its last step; the agent frees
+    the slots once they do. It belongs to that trainer's lifetime: the next claim removes it."""
+    return job_dir(shm_dir, job) / f"rank-{rank}.closed"
+
+
+@contextlib.contextmanager
+def unowned(shm_dir: Path, job: str, rank: int) -> Iterator[bool]:
+    """Hold rank ``rank``'s owner lock if no live process does: yields True, and no trainer can
+    claim the rank until the block ends; yields False while a trainer owns it."""
+    path = owner_path(shm_dir, job, rank)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        yield same  # a file unlinked and recreated meanwhile is not the one a trainer locks
+    finally:
+        os.close(fd)
+
+
+def free_rank(shm_dir: Path, job: str, rank: int) -> None:
+    """Remove a rank's slots, closed marker and owner file (the caller holds its owner lock)."""
+    for i in range(N_SLOTS):
+        slot_path(shm_dir, job, rank, i).unlink(missing_ok=True)
+    closed_marker_path(shm_dir, job, rank).unlink(missing_ok=True)
+    owner_path(shm_dir, job, rank).unlink(missing_ok=True)
+
+
 def ranks_in(shm_dir: Path, job: str) -> list[int]:
     d = job_dir(shm_dir, job)
     if not d.is_dir():
         return []
-    return sorted({int(m.group(1)) for p in d.iterdir() if (m := _SLOT_RE.match(p.name))})
+    return sorted({int(m.group(1)) for p in d.iterdir() if (m := _SLOT_RE.fullmatch(p.name))})
 
 
 @dataclass(frozen=True)
@@ -48,6 +101,10 @@ class Snapshot:
     @property
     def step(self) -> int:
         return self.header.step
+
+    @property
+    def generation(self) -> int:
+        return self.header.generation
 
     def intact(self) -> bool:
         """True if nothing was rewritten since the read began (the seqlock check)."""
@@ -68,14 +125,28 @@ def read_locked(slot: Slot, timeout: float = 5.0) -> Iterator[Snapshot | None]:
             return
         raw = slot.manifest_bytes(h)
         manifest = Manifest.from_json(raw, source=f"{slot.path}")
+        found = (manifest.step, manifest.data_len, manifest.n_chunks, manifest.generation)
+        if found != (h.step, h.data_len, h.n_chunks, h.generation):
+            raise ManifestError(
+                f"{slot.path}: the header says step {h.step}, {h.data_len} bytes, {h.n_chunks} "
+                f"chunks, generation {h.generation}; its manifest says step {found[0]}, "
+                f"{found[1]} bytes, {found[2]} chunks, generation {found[3]}"
+            )
         sums = slot.checksums(h)
         if sums is not None:
             manifest = manifest.with_checksums(sums)
-        if manifest.step != h.step:
-            raise ManifestError(f"{slot.path}: header says step {h.step}, manifest {manifest.step}")
         yield Snapshot(slot, h, manifest)
     finally:
         slot.unlock()
+
+
+def header_or_none(slot: Slot) -> SlotHeader | None:
+    """The slot's header, or None (logged) if it is not valid: it then holds no snapshot."""
+    try:
+        return slot.header()
+    except SharedMemoryError as exc:
+        log.debug("%s", exc)  # polled (wait()); the owner warns when it reinitialises the file
+        return None
 
 
 class SlotPair:
@@ -85,89 +156,156 @@ class SlotPair:
         self.dir = job_dir(shm_dir, job)
         self.paths = [slot_path(shm_dir, job, rank, i) for i in range(N_SLOTS)]
         self.slots: list[Slot | None] = [None] * N_SLOTS
+        self.busy: set[int] = set()  # slots being prepared in the background: not to be touched
+        # Slots in use: two, and the spare once a reader held the older slot while the newest
+        # had to be kept (persistence lags), or once a spare is found from an earlier run.
+        self.in_use = N_STEADY
         self._owner_fd: int | None = None
-        self.job, self.rank = job, rank
+        self.shm_dir, self.job, self.rank = shm_dir, job, rank
 
     # ---- ownership -------------------------------------------------------------------
     def claim(self) -> None:
-        """Become the one writer of this rank; a second live one is refused."""
+        """Become the one writer of this rank; a second live one is refused, in this process
+        too (a Checkpointer still open for the same job and rank)."""
         if self._owner_fd is not None:
             return
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise SharedMemoryError(exc.errno, f"cannot create {self.dir}: {exc.strerror}") from exc
-        try:
-            fd = lock_pidfile(self.dir / f"rank-{self.rank}.owner")
-        except PidFileBusy as busy:
-            raise RankBusyError(
-                f"rank {self.rank} of job {self.job!r} is already saving from pid {busy.pid}; "
-                "give each process its own rank (or job), or stop the other process first"
-            ) from None
-        self._owner_fd = fd
+        deadline = time.monotonic() + _CLAIM_GRACE_S
+        vanished = 0
+        while vanished < _CLAIM_ATTEMPTS:
+            self._make_dir()
+            try:
+                self._owner_fd = lock_pidfile(self._owner_path)
+            except FileNotFoundError:
+                vanished += 1  # a closing owner removed the emptied job directory meanwhile
+                continue
+            except PidFileBusy as busy:
+                if busy.pid != os.getpid() and time.monotonic() < deadline:
+                    time.sleep(0.01)  # perhaps an agent freeing the rank's old slots
+                    continue
+                hint = (
+                    "close() the other Checkpointer (or keep using it) before creating a new one"
+                    if busy.pid == os.getpid()
+                    else "give each process its own rank (or job), or stop the other process first"
+                )
+                raise RankBusyError(
+                    f"rank {self.rank} of job {self.job!r} is already saving from "
+                    f"{busy.holder()}; {hint}"
+                ) from None
+            # A marker left by an earlier trainer of this rank is not ours: the agent must not
+            # free the slots this trainer is about to use.
+            closed_marker_path(self.shm_dir, self.job, self.rank).unlink(missing_ok=True)
+            return
+        raise RankBusyError(
+            f"rank {self.rank} of job {self.job!r}: {self.dir} kept disappearing while it was "
+            "being claimed; another process is creating and closing this rank in a loop"
+        )
 
     def release(self) -> None:
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None
 
+    @property
+    def _owner_path(self) -> Path:
+        return self.dir / f"rank-{self.rank}.owner"
+
+    def _make_dir(self) -> None:
+        private_dir(
+            self.dir, f"the directory of job {self.job!r} in the shm dir",
+            fix="set FLASHCKPT_SHM_DIR (or shm_dir) to a directory of your own",
+        )  # fmt: skip
+
     # ---- mapping ---------------------------------------------------------------------
     def open_existing(self) -> None:
+        owner = self._owner_fd is not None  # only the owner may reinitialise an invalid file
+        if self.paths[-1].exists():
+            self.in_use = N_SLOTS
         for i, path in enumerate(self.paths):
-            if self.slots[i] is None and path.exists():
-                try:
-                    self.slots[i] = Slot.create(path, 0)
-                except SharedMemoryError:
-                    path.unlink(missing_ok=True)  # not ours (bad magic): start over
+            if self.slots[i] is None and i not in self.busy and path.exists():
+                # A reader leaves a file that is not a valid slot alone: its owner reinitialises it.
+                with contextlib.suppress(SharedMemoryError):
+                    self.slots[i] = Slot.create(path, 0, owner=owner)
 
     def check_space(self, capacity: int) -> None:
         """Fail now, naming the size, if the slots cannot grow to ``capacity`` each."""
         need = 0
-        for path in self.paths:
-            have = path.stat().st_size if path.exists() else 0
+        for path in self.paths[: self.in_use]:
+            have = path.lstat().st_size if path.exists() else 0
             need += max(0, capacity - have)
         if need == 0:
             return
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._make_dir()
         st = os.statvfs(self.dir)
         if st.f_bavail * st.f_frsize < need:
             raise shm_space_error(self.paths[0], need, OSError(errno.ENOSPC, "no space"))
 
-    def prepare(self, capacity: int) -> None:
-        """Create, grow and pre-fault both slots so the next snapshots pay no page faults."""
-        self.check_space(capacity)
-        for i, path in enumerate(self.paths):
-            slot = self.slots[i]
-            if slot is None:
-                self.slots[i] = Slot.create(path, capacity)
-            elif slot.capacity < capacity:
-                slot.grow(capacity)
+    def prepare_slot(self, i: int, capacity: int, prefault: bool = True) -> Slot:
+        """Create or grow slot ``i`` to ``capacity`` bytes, reserved (and pre-faulted, so the
+        snapshots written into it pay no page faults, unless ``prefault`` is False). The
+        caller owns the rank."""
+        slot = self.slots[i]
+        if slot is None:
+            slot = self.slots[i] = Slot.create(
+                self.paths[i], capacity, owner=True, prefault=prefault
+            )
+        elif slot.capacity < capacity:
+            slot.grow(capacity, prefault)
+        return slot
 
     def ready(self) -> list[Slot]:
         """Slots holding a READY snapshot, newest first."""
-        out = [(s.header(), s) for s in self.slots if s is not None]
-        out = [(h, s) for h, s in out if h.readable]
+        out = [
+            (h, s)
+            for i, s in enumerate(self.slots)
+            if s is not None and i not in self.busy and (h := header_or_none(s)) and h.readable
+        ]
         out.sort(key=lambda hs: (hs[0].step, hs[0].published_at), reverse=True)
         return [s for _, s in out]
 
-    def acquire_for_write(self) -> Slot | None:
-        """Lock and return the slot the next snapshot goes to, or None if all are held.
+    def _age(self, i: int) -> tuple:
+        """Sort key of slot ``i``: what it holds, oldest first; a missing slot, one being
+        prepared or an invalid one holds nothing and comes first."""
+        slot = self.slots[i]
+        h = None if slot is None or i in self.busy else header_or_none(slot)
+        if h is None or h.state != SlotState.READY:
+            return (False, -1, -1, 0.0)
+        return (True, h.generation, h.step, h.published_at)
 
-        Order: a slot with no READY snapshot, then the older READY one, then the newest (only
-        when a reader holds the other, which then stays READY throughout).
-        """
-        slots = [s for s in self.slots if s is not None]
+    def write_order(self) -> list[int]:
+        """Slot indices in the order the next snapshot goes to: a slot with no READY snapshot,
+        then the older READY one; the newest READY snapshot last, and never overwritten."""
+        return sorted(range(self.in_use), key=self._age)
 
-        def rank_of(s: Slot) -> tuple:
-            h = s.header()
-            return (h.state == SlotState.READY, h.step, h.published_at)
+    def acquire_for_write(self, need: int) -> Slot | None:
+        """Lock and return the slot the next snapshot of ``need`` bytes goes to (in
+        ``write_order``, among slots that exist, hold ``need`` bytes and are not being
+        prepared), or None if a reader holds every such slot but the newest READY one.
 
-        for slot in sorted(slots, key=rank_of):
+        The newest READY snapshot is never written over: a crash mid-copy would then leave only
+        an older one, and lose a step ``save()`` returned for. Skipping the new snapshot (the
+        caller counts it) loses nothing that was promised."""
+        order = self.write_order()
+        newest = order[-1] if self._age(order[-1])[0] else None
+        for i in order:
+            slot = self.slots[i]
+            if i == newest or slot is None or i in self.busy or slot.capacity < need:
+                continue
             if slot.try_lock(exclusive=True):
                 return slot
+        if self.in_use < N_SLOTS:
+            self.in_use += 1  # the caller readies the spare; from then on three slots turn
         return None
 
     def close(self, remove: bool) -> None:
+        """Unmap the slots; with ``remove``, delete them and the owner file, but only while
+        holding the claim (a writer that has since taken the rank keeps its files)."""
+        if remove and self._owner_fd is None:
+            try:
+                if self.dir.is_dir():
+                    self.claim()
+            except (FlashCkptError, OSError):
+                pass
+            remove = self._owner_fd is not None
         for i, slot in enumerate(self.slots):
             if slot is not None:
                 slot.close()
@@ -175,7 +313,8 @@ class SlotPair:
             if remove:
                 self.paths[i].unlink(missing_ok=True)
         if remove:
-            (self.dir / f"rank-{self.rank}.owner").unlink(missing_ok=True)
+            # Unlinked while still locked: a contender that opened it re-checks after locking.
+            self._owner_path.unlink(missing_ok=True)
         self.release()
         if remove:
             with contextlib.suppress(OSError):

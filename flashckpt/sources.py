@@ -2,7 +2,14 @@
 
 Each source says which steps it holds for this rank and loads one into a state. The
 Checkpointer picks the newest step every rank can get from some source, and each rank loads
-it from its fastest source, falling back to the next on a checksum or read error.
+it from its fastest source, falling back to the next on a corrupt or unreadable copy.
+
+Everything a source reads back is checked before use (slot headers in ``slot.py``, manifests
+in ``manifest.py``, commit markers in ``layout.py``, stored sizes in ``tier_io.py``); a copy
+that fails a check, or a checksum, is logged and skipped. Errors that are not about the copy
+(the state does not match it, a pickle not allowed) propagate. Checksums: a tier copy always
+carries them (one without is refused); a shared-memory snapshot the sealer has not reached yet
+has none and restores unverified, as its writer published it complete.
 """
 
 from __future__ import annotations
@@ -13,12 +20,38 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from . import tier_io
-from .errors import ChecksumError, ManifestError
+from .errors import (
+    CheckpointNotFoundError,
+    ChecksumError,
+    ManifestError,
+    SharedMemoryError,
+    TierUnavailableError,
+)
+from .lineage import Lineage, newest
 from .restore import Source, plan, run
 from .slots import SlotPair, read_locked
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+CORRUPT_COPY = (
+    ManifestError,
+    ChecksumError,
+    SharedMemoryError,
+    CheckpointNotFoundError,
+    TierUnavailableError,
+)
+"""What a bad or missing copy raises: the restore moves on to the next source or step."""
+
+
+Key = tuple[int, int]
+"""A snapshot's (generation, step)."""
+
+
+def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
+    """The steps of ``held`` in ``lineage``'s history (default: the newest branch held)."""
+    lineage = newest(list(held.values())) if lineage is None else lineage
+    return {s for g, s in held if lineage.holds(g, s)}
 
 
 class MemorySource:
@@ -27,27 +60,34 @@ class MemorySource:
     def __init__(self, pair: SlotPair, verify: bool):
         self.pair, self.verify = pair, verify
 
-    def steps(self) -> set[int]:
-        return {s.header().step for s in self.pair.ready()}
-
-    def load(self, state: Mapping[str, Any], step: int, allow_pickle: bool) -> bool:
+    def snapshots(self) -> dict[Key, Lineage]:
+        """This rank's READY snapshots, with the branch each belongs to."""
+        out: dict[Key, Lineage] = {}
         for slot in self.pair.ready():
-            with read_locked(slot) as snap:
-                if snap is None or snap.step != step:
-                    continue
-                producer = plan(snap.manifest, state, allow_pickle)
-                try:
-                    run(
-                        producer,
-                        Source(
-                            slot.data_tensor(snap.header), f"shared memory {slot.path}", self.verify
-                        ),
-                    )
-                except (ChecksumError, ManifestError) as exc:  # a corrupt copy: try the next
-                    log.warning("%s", exc)
-                    continue
-                if snap.intact():
-                    return True
+            try:
+                with read_locked(slot) as snap:
+                    if snap is not None:
+                        out[snap.generation, snap.step] = snap.manifest.lineage
+            except CORRUPT_COPY as exc:  # holds nothing readable: not a candidate
+                log.warning("%s", exc)
+        return out
+
+    def steps(self, lineage: Lineage | None = None) -> set[int]:
+        return steps_of(self.snapshots(), lineage)
+
+    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
+        for slot in self.pair.ready():
+            try:
+                with read_locked(slot) as snap:
+                    if snap is None or (snap.generation, snap.step) != key:
+                        continue
+                    producer = plan(snap.manifest, state, allow_pickle)
+                    where = f"shared memory {slot.path}"
+                    run(producer, Source(slot.data_tensor(snap.header), where, self.verify))
+                    if snap.intact():
+                        return True
+            except CORRUPT_COPY as exc:  # a corrupt copy: try the next
+                log.warning("%s", exc)
         return False
 
 
@@ -67,35 +107,43 @@ def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
 
 class TierSource:
     def __init__(self, url: str, job: str, rank: int, verify: bool):
-        self.name, self.job, self.rank, self.verify = url, job, rank, verify
+        from .storage_tiers.registry import redact
 
-    def steps(self) -> set[int]:
-        """Committed steps that include this rank (a node-local tier holds only its node's)."""
+        self.url, self.job, self.rank, self.verify = url, job, rank, verify
+        self.name = redact(url)  # in logs and errors: no credentials
 
-        async def go(tier) -> set[int]:
+    def snapshots(self) -> dict[Key, Lineage]:
+        """Committed steps that include this rank (a node-local tier holds only its node's),
+        with the branch each belongs to."""
+
+        async def go(tier) -> dict[Key, Lineage]:
             listing = await tier_io.list_steps(tier, self.job)
-            return {s for s, c in listing.items() if c is not None and self.rank in c.ranks}
+            return {k: c.lineage for k, c in listing.items() if c and self.rank in c.ranks}
 
         try:
-            return run_with_tier(self.name, go)
-        except (OSError, ImportError) as exc:
+            return run_with_tier(self.url, go)
+        except Exception as exc:
+            # Whatever keeps a tier from being listed, the restore goes on without it: raising
+            # here on one rank would leave the others waiting in the step agreement.
             log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
-            return set()
+            return {}
 
-    def load(self, state: Mapping[str, Any], step: int, allow_pickle: bool) -> bool:
+    def steps(self, lineage: Lineage | None = None) -> set[int]:
+        return steps_of(self.snapshots(), lineage)
+
+    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
+        gen, step = key
+        where = f"{self.name} step {step} rank {self.rank}" + (f" generation {gen}" if gen else "")
         try:
             manifest, data = run_with_tier(
-                self.name, lambda t: tier_io.read_rank(t, self.job, step, self.rank)
+                self.url, lambda t: tier_io.read_rank(t, self.job, step, self.rank, gen)
             )
-        except (OSError, ManifestError) as exc:
-            log.warning(
-                "tier %s: step %d rank %d cannot be read: %s", self.name, step, self.rank, exc
-            )
+        except (*CORRUPT_COPY, OSError) as exc:  # OSError: the tier's own I/O failed
+            log.warning("%s cannot be read: %s", where, exc)
             return False
-        producer = plan(manifest, state, allow_pickle)
         try:
-            run(producer, Source(data, f"{self.name} step {step} rank {self.rank}", self.verify))
-        except (ChecksumError, ManifestError) as exc:  # a corrupt copy: try the next
+            run(plan(manifest, state, allow_pickle), Source(data, where, self.verify))
+        except CORRUPT_COPY as exc:  # a corrupt copy: try the next
             log.warning("%s", exc)
             return False
         return True

@@ -15,7 +15,9 @@ import torch
 
 from . import layout
 from .errors import ManifestError
+from .lineage import Lineage, newest
 from .manifest import Manifest
+from .storage_tiers.base import TEMP_GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -29,87 +31,175 @@ def _chunks(data: memoryview, size: int = WRITE_CHUNK) -> Iterator[memoryview]:
 
 async def write_rank(tier, manifest: Manifest, data: memoryview) -> int:
     """Put one rank's data, then its manifest (which commits the rank). Returns bytes written."""
-    job, step, rank = manifest.job, manifest.step, manifest.rank
+    job, step, rank, gen = manifest.job, manifest.step, manifest.rank, manifest.generation
     if not manifest.sealed:
         raise ManifestError(
             f"step {step} rank {rank}: a manifest must carry its checksums before it is stored"
         )
-    await tier.put(layout.data_key(job, step, rank), list(_chunks(data)), len(data))
+    await tier.put(layout.data_key(job, step, rank, gen), list(_chunks(data)), len(data))
     raw = manifest.to_json()
-    await tier.put(layout.manifest_key(job, step, rank), [memoryview(raw)], len(raw))
+    await tier.put(layout.manifest_key(job, step, rank, gen), [memoryview(raw)], len(raw))
     return len(data) + len(raw)
 
 
 async def commit_step(
-    tier, job: str, step: int, node: str, ranks: list[int], world_size: int
-) -> None:
-    marker = layout.CommitMarker(node, tuple(sorted(ranks)), world_size).to_json()
-    await tier.put(layout.commit_key(job, step, node), [memoryview(marker)], len(marker))
+    tier, job: str, step: int, node: str, ranks: list[int], world_size: int,
+    lineage: Lineage | None = None,
+) -> None:  # fmt: skip
+    lineage = lineage or Lineage()
+    marker = layout.CommitMarker(node, tuple(sorted(ranks)), world_size, lineage).to_json()
+    key = layout.commit_key(job, step, node, lineage.generation)
+    await tier.put(key, [memoryview(marker)], len(marker))
 
 
 @dataclass(frozen=True)
 class CommittedStep:
+    """What a step's commit markers say; ``problems`` names the markers that do not parse or
+    belong to another generation (their ranks count as not committed)."""
+
     step: int
     ranks: frozenset[int]
     world_size: int
+    problems: tuple[str, ...] = ()
+    lineage: Lineage = Lineage()
+
+    @property
+    def generation(self) -> int:
+        return self.lineage.generation
 
     @property
     def complete(self) -> bool:
-        return self.ranks >= frozenset(range(self.world_size))
+        # Markers are checked to name only ranks below their world_size, so covering the
+        # world is a count (a range of a corrupt world size is never built).
+        return self.world_size > 0 and len(self.ranks) >= self.world_size
 
 
-async def list_steps(tier, job: str) -> dict[int, CommittedStep | None]:
-    """Every step the tier has anything of; None for steps with no commit marker."""
+async def _marker(tier, key: str) -> layout.CommitMarker | str:
+    """The marker at ``key``, or why it cannot be had (a corrupt one does not hide the rest)."""
+    source = f"{tier.spec.url}/{key}"
+    try:
+        return layout.CommitMarker.from_json(await tier.get(key), source)
+    except ManifestError as exc:
+        log.warning("%s", exc)
+        return str(exc)
+
+
+Listing = dict[tuple[int, int], CommittedStep | None]
+"""A tier's steps of one job by (generation, step); None for a step with no commit marker."""
+
+
+async def list_steps(tier, job: str) -> Listing:
+    """Every step the tier has anything of, by (generation, step)."""
     keys = await tier.list(f"{job}/")
-    out: dict[int, CommittedStep | None] = {}
-    for step, markers in layout.parse_keys(job, keys).items():
+    out: Listing = {}
+    for (gen, step), markers in layout.parse_keys(job, keys).items():
         if not markers:
-            out[step] = None
+            out[gen, step] = None
             continue
-        raws = await asyncio.gather(*(tier.get(k) for k in markers))
-        parsed = [layout.CommitMarker.from_json(r) for r in raws]
+        read = await asyncio.gather(*(_marker(tier, k) for k in markers))
+        parsed = [m for m in read if isinstance(m, layout.CommitMarker)]
+        problems = [m for m in read if isinstance(m, str)]
+        for m in [m for m in parsed if m.lineage.generation != gen]:
+            problems.append(f"the commit marker of node {m.node} in step {step} generation "
+                            f"{gen} names generation {m.lineage.generation}")  # fmt: skip
+            parsed.remove(m)
         ranks = frozenset(r for m in parsed for r in m.ranks)
-        out[step] = CommittedStep(step, ranks, max(m.world_size for m in parsed))
+        world = max((m.world_size for m in parsed), default=0)
+        lineage = parsed[0].lineage if parsed else Lineage()
+        out[gen, step] = CommittedStep(step, ranks, world, tuple(problems), lineage)
     return out
 
 
-async def committed_steps(tier, job: str) -> list[int]:
-    """Steps committed for the whole world, oldest first."""
-    steps = await list_steps(tier, job)
-    return sorted(s for s, c in steps.items() if c is not None and c.complete)
+def complete(listing: Listing) -> dict[tuple[int, int], CommittedStep]:
+    """The steps committed for the whole world."""
+    return {k: c for k, c in listing.items() if c is not None and c.complete}
 
 
-async def read_rank(tier, job: str, step: int, rank: int) -> tuple[Manifest, torch.Tensor]:
-    """The manifest and data bytes of one rank's shard (checksums are verified at restore)."""
-    mkey = layout.manifest_key(job, step, rank)
-    manifest = Manifest.from_json(await tier.get(mkey), source=f"{tier.spec.url}/{mkey}")
-    if (manifest.job, manifest.step, manifest.rank) != (job, step, rank):
+def head(listing: Listing) -> Lineage:
+    """The branch of the newest generation with a committed step (generation 0 if none)."""
+    return newest([c.lineage for c in complete(listing).values()])
+
+
+def in_lineage(listing: Listing, lineage: Lineage) -> dict[int, CommittedStep]:
+    """The committed steps of ``lineage``'s history, by step number."""
+    return {s: c for (g, s), c in complete(listing).items() if lineage.holds(g, s)}
+
+
+async def committed_steps(tier, job: str, lineage: Lineage | None = None) -> list[int]:
+    """Steps committed for the whole world in ``lineage`` (default: the branch of the newest
+    generation the tier has committed), oldest first."""
+    listing = await list_steps(tier, job)
+    return sorted(in_lineage(listing, head(listing) if lineage is None else lineage))
+
+
+async def read_rank(
+    tier, job: str, step: int, rank: int, generation: int = 0
+) -> tuple[Manifest, torch.Tensor]:
+    """The manifest and data bytes of one rank's shard, checked to belong together (checksums
+    are verified at restore). A manifest that does not parse or lacks checksums, or data of
+    another size than the manifest says, is a ManifestError naming the object."""
+    mkey = layout.manifest_key(job, step, rank, generation)
+    dkey = layout.data_key(job, step, rank, generation)
+    where = f"{tier.spec.url}/{mkey}"
+    manifest = Manifest.from_json(await tier.get(mkey), source=where, require_checksums=True)
+    found = (manifest.job, manifest.step, manifest.rank, manifest.generation)
+    if found != (job, step, rank, generation):
         raise ManifestError(
-            f"{tier.spec.url}/{mkey} describes job {manifest.job} step {manifest.step} rank "
-            f"{manifest.rank}, not job {job} step {step} rank {rank}"
+            f"{where} describes job {manifest.job} step {manifest.step} rank {manifest.rank} "
+            f"generation {manifest.generation}, not job {job} step {step} rank {rank} "
+            f"generation {generation}"
         )
-    data = torch.empty(manifest.data_len, dtype=torch.uint8)
-    if manifest.data_len:
-        await tier.get_into(layout.data_key(job, step, rank), memoryview(data.numpy()), 0)
+    size = manifest.data_len
+    # One small ranged read settles the size: the byte before data_len must exist, the one
+    # at data_len must not.
+    tail = await tier.get(dkey, max(size - 1, 0), size + 1)
+    if len(tail) != min(size, 1):
+        raise _size_mismatch(tier, dkey, size, "more" if len(tail) > min(size, 1) else "fewer")
+    data = torch.empty(size, dtype=torch.uint8)
+    if size:
+        try:
+            await tier.get_into(dkey, memoryview(data.numpy()), 0)
+        except ValueError as exc:  # shortened since the size was read: the tier says so
+            raise _size_mismatch(tier, dkey, size, "fewer") from exc
     return manifest, data
 
 
+def _size_mismatch(tier, key: str, size: int, found: str) -> ManifestError:
+    return ManifestError(
+        f"{tier.spec.url}/{key} holds {found} than the {size} bytes its manifest's data_len "
+        "says; the copy is truncated or corrupt, restore from another tier or an older step"
+    )
+
+
 async def apply_retention(
-    tier, job: str, keep_last: int | None, keep_every: int | None
-) -> list[int]:
-    """Delete committed steps beyond the policy, and uncommitted leftovers older than the
-    newest committed step (a crashed upload). Returns the steps deleted."""
+    tier,
+    job: str,
+    keep_last: int | None,
+    keep_every: int | None,
+    temp_grace_s: float = TEMP_GRACE_S,
+    retire_abandoned: bool = False,
+) -> list[tuple[int, int]]:
+    """Delete committed steps of the current branch beyond the policy, uncommitted leftovers
+    older than the newest committed step, and temporaries of crashed uploads older than
+    ``temp_grace_s`` (a live writer on another node may be filling younger ones). Committed
+    steps of abandoned branches (left by a rollback) are kept unless ``retire_abandoned``.
+    Returns the (generation, step) pairs deleted."""
+    await tier.clean_temporaries(f"{job}/", temp_grace_s)
     steps = await list_steps(tier, job)
-    committed = sorted((s for s, c in steps.items() if c is not None and c.complete), reverse=True)
-    if not committed:
+    done = complete(steps)
+    if not done:
         return []
-    keep = set(committed[:keep_last] if keep_last else committed)
+    lineage = head(steps)
+    ours = sorted((k for k in done if lineage.holds(*k)), key=lambda k: k[1], reverse=True)
+    keep = set(ours[:keep_last] if keep_last else ours)
     if keep_every:
-        keep |= {s for s in committed if s % keep_every == 0}
-    newest = committed[0]
-    doomed = [s for s in steps if s not in keep and (s in committed or s < newest)]
-    for s in doomed:
-        await tier.delete(layout.step_prefix(job, s))
+        keep |= {k for k in ours if k[1] % keep_every == 0}
+    if not retire_abandoned:
+        keep |= set(done) - set(ours)
+    newest = max(done)
+    doomed = sorted(k for k in steps if k not in keep and (k in done or k < newest))
+    for gen, step in doomed:
+        await tier.delete(layout.step_prefix(job, step, gen))
     if doomed:
-        log.info("%s: retention removed steps %s of job %s", tier.spec.url, sorted(doomed), job)
-    return sorted(doomed)
+        log.info("%s: retention removed steps %s of job %s", tier.spec.url, doomed, job)
+    return doomed

@@ -52,16 +52,24 @@ class RegisterTrainerResponse(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SnapshotReadyRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "final")
+    __slots__ = ("job", "rank", "step", "final", "pid", "world_size", "local_world_size", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     final: bool
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    pid: int
+    world_size: int
+    local_world_size: int
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., pid: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class SnapshotReadyResponse(_message.Message):
     __slots__ = ()
@@ -74,7 +82,7 @@ class GetTierStatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class TierStatus(_message.Message):
-    __slots__ = ("url", "scope", "health", "last_committed_step", "lag_steps", "lag_seconds", "bytes_persisted", "snapshots_persisted", "last_error", "last_persist_seconds", "last_persist_bytes")
+    __slots__ = ("url", "scope", "health", "last_committed_step", "lag_steps", "lag_seconds", "bytes_persisted", "snapshots_persisted", "last_error", "last_persist_seconds", "last_persist_bytes", "last_committed_generation")
     URL_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +94,7 @@ class TierStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_PERSIST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_PERSIST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMITTED_GENERATION_FIELD_NUMBER: _ClassVar[int]
     url: str
     scope: TierScope
     health: TierHealth
@@ -97,7 +106,8 @@ class TierStatus(_message.Message):
     last_error: str
     last_persist_seconds: float
     last_persist_bytes: int
-    def __init__(self, url: _Optional[str] = ..., scope: _Optional[_Union[TierScope, str]] = ..., health: _Optional[_Union[TierHealth, str]] = ..., last_committed_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., bytes_persisted: _Optional[int] = ..., snapshots_persisted: _Optional[int] = ..., last_error: _Optional[str] = ..., last_persist_seconds: _Optional[float] = ..., last_persist_bytes: _Optional[int] = ...) -> None: ...
+    last_committed_generation: int
+    def __init__(self, url: _Optional[str] = ..., scope: _Optional[_Union[TierScope, str]] = ..., health: _Optional[_Union[TierHealth, str]] = ..., last_committed_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., bytes_persisted: _Optional[int] = ..., snapshots_persisted: _Optional[int] = ..., last_error: _Optional[str] = ..., last_persist_seconds: _Optional[float] = ..., last_persist_bytes: _Optional[int] = ..., last_committed_generation: _Optional[int] = ...) -> None: ...
 
 class GetTierStatusResponse(_message.Message):
     __slots__ = ("tiers",)
@@ -112,22 +122,26 @@ class ListSnapshotsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class MemorySnapshot(_message.Message):
-    __slots__ = ("rank", "step", "sealed")
+    __slots__ = ("rank", "step", "sealed", "generation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     sealed: bool
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., sealed: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TierSteps(_message.Message):
-    __slots__ = ("url", "committed_steps")
+    __slots__ = ("url", "committed_steps", "generation")
     URL_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     url: str
     committed_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, url: _Optional[str] = ..., committed_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    generation: int
+    def __init__(self, url: _Optional[str] = ..., committed_steps: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("memory", "tiers")

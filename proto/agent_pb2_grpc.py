@@ -74,7 +74,8 @@ class AgentServicer:
 
     def SnapshotReady(self, request, context):
         """A snapshot was published READY in shared memory. Idempotent; trainers send it without
-        waiting for the answer, and the agent also finds READY slots by itself.
+        waiting for the answer, and the agent also finds READY slots by itself. It also registers
+        the trainer with an agent that was restarted after the trainer registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

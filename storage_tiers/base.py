@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+import re
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from flashckpt.errors import ConfigError
@@ -79,12 +81,40 @@ class Tier(abc.ABC):
         """Remove ``prefix`` and everything under it; missing keys are not an error."""
 
     @abc.abstractmethod
+    async def clean_temporaries(
+        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
+    ) -> int:
+        """Remove what writers that died mid-``put`` left under ``prefix`` (temporary files,
+        unfinished multipart uploads): those older than ``older_than_s`` seconds, and at any
+        age those whose key ``mine(key)`` claims for this writer. Returns how many."""
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads."""
 
 
 TEMP_PREFIX = ".tmp-"
 """Names starting with this are a tier's in-flight temporaries: never listed, never a key."""
+
+TEMP_GRACE_S = 3600.0
+"""How old another writer's temporary must be before it counts as a crashed one's: a live
+writer on another node may still be uploading into a shared tier."""
+
+_TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(.+)-[0-9a-f]+")
+
+
+def temp_name(final: str) -> str:
+    """A fresh temporary's name for the object named ``final`` (unique per writer)."""
+    return f"{TEMP_PREFIX}{final}-{uuid.uuid4().hex[:12]}"
+
+
+def temp_target(name: str) -> str | None:
+    """The name of the object the temporary ``name`` was being written for; None if ``name``
+    is not a temporary."""
+    if not name.startswith(TEMP_PREFIX):
+        return None
+    match = _TEMP_NAME.fullmatch(name)
+    return match.group(1) if match else name[len(TEMP_PREFIX) :]
 
 
 def check_key(key: str, *, prefix: bool = False) -> str:

@@ -12,14 +12,24 @@ import logging
 import os
 import shutil
 import stat
-import uuid
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
 
-from .base import TEMP_PREFIX, Tier, TierSpec, check_delete_prefix, check_key, iter_chunks
+from .base import (
+    TEMP_PREFIX,
+    Tier,
+    TierSpec,
+    check_delete_prefix,
+    check_key,
+    iter_chunks,
+    temp_name,
+    temp_target,
+)
+from .registry import mode_option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +47,9 @@ class PosixTier(Tier):
     def __init__(self, spec: TierSpec):
         self.spec = spec
         self.root = Path(spec.location)
+        # Snapshots are the model: readable by the owner alone unless the URL says otherwise.
+        self.file_mode = mode_option(spec, "mode")
+        self.dir_mode = mode_option(spec, "dir_mode")
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -79,7 +92,7 @@ class PosixTier(Tier):
     ) -> None:
         path = self._path(key)
         try:
-            temp = await asyncio.to_thread(_Temp.create, path)
+            temp = await asyncio.to_thread(_Temp.create, path, self.file_mode, self.dir_mode)
         except OSError as exc:
             raise self._translate(exc, key, size) from exc
         try:
@@ -216,6 +229,36 @@ class PosixTier(Tier):
             raise self._translate(exc, prefix, 0) from exc
         log.debug("deleted %s", target)
 
+    async def clean_temporaries(
+        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
+    ) -> int:
+        rel = check_key(prefix, prefix=True)
+        return await asyncio.to_thread(self._clean, rel, older_than_s, mine)
+
+    def _clean(self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None) -> int:
+        """Unlink temporaries left by dead writers; a live writer's file has a fresh mtime."""
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.root / prefix if prefix else self.root):
+            for name in files:
+                target = temp_target(name)
+                if target is None:
+                    continue
+                path = Path(dirpath) / name
+                key = Path(os.path.relpath(path.with_name(target), self.root)).as_posix()
+                try:
+                    if os.lstat(path).st_mtime <= cutoff or (mine is not None and mine(key)):
+                        path.unlink()
+                        removed += 1
+                except FileNotFoundError:
+                    continue  # committed or discarded meanwhile
+                except OSError as exc:
+                    raise self._translate(exc, key, 0, "cleaned") from exc
+        if removed:
+            log.info("%s: removed %d temporaries of crashed writes under %r", self.spec.url,
+                     removed, prefix)  # fmt: skip
+        return removed
+
     async def close(self) -> None:
         """Nothing to release: every call opens and closes its own file."""
 
@@ -235,11 +278,18 @@ class _Temp:
         self._busy: asyncio.Future[object] | None = None
 
     @classmethod
-    def create(cls, final: Path) -> _Temp:
-        _make_dirs(final.parent)
-        path = final.parent / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        return cls(os.open(path, flags, 0o644), path)
+    def create(cls, final: Path, mode: int, dir_mode: int) -> _Temp:
+        _make_dirs(final.parent, dir_mode)
+        path = final.parent / temp_name(final.name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, mode)
+        try:
+            os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(fd, path)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run blocking ``fn`` in a thread; a cancelled caller does not orphan it (see discard)."""
@@ -272,8 +322,9 @@ class _Temp:
         self.path.unlink(missing_ok=True)
 
 
-def _make_dirs(parent: Path) -> None:
-    """Create ``parent`` and its missing ancestors, fsyncing each directory that gained one."""
+def _make_dirs(parent: Path, mode: int) -> None:
+    """Create ``parent`` and its missing ancestors with ``mode``, fsyncing each directory that
+    gained one."""
     missing: list[Path] = []
     here = parent
     while not here.is_dir():
@@ -283,9 +334,14 @@ def _make_dirs(parent: Path) -> None:
         here = here.parent
     for d in reversed(missing):
         try:
-            os.mkdir(d, 0o755)
+            os.mkdir(d, mode)
         except FileExistsError:
             continue  # made by a concurrent put
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept
+        finally:
+            os.close(fd)
         _fsync_dir(d.parent)
 
 

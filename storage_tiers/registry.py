@@ -40,10 +40,24 @@ class TierEntry:
     options: frozenset[str] | None = frozenset()  # its own query options; None: any
 
 
+# Options of the directory tiers: the octal modes of the files and directories they create,
+# as (default, bits the owner must keep, an example). Others never get write access.
+MODE_OPTIONS: dict[str, tuple[int, int, str]] = {
+    "mode": (0o600, 0o600, "0640"), "dir_mode": (0o700, 0o700, "0750"),
+}  # fmt: skip
+
 _REGISTRY: dict[str, TierEntry] = {
-    "file": TierEntry("flashckpt.storage_tiers.local:LocalTier", Scope.NODE, path_like=True),
+    "file": TierEntry(
+        "flashckpt.storage_tiers.local:LocalTier",
+        Scope.NODE,
+        path_like=True,
+        options=frozenset(MODE_OPTIONS),
+    ),
     "pfs": TierEntry(
-        "flashckpt.storage_tiers.parallel_fs:ParallelFsTier", Scope.SHARED, path_like=True
+        "flashckpt.storage_tiers.parallel_fs:ParallelFsTier",
+        Scope.SHARED,
+        path_like=True,
+        options=frozenset(MODE_OPTIONS),
     ),
     "s3": TierEntry(
         "flashckpt.storage_tiers.s3:S3Tier",
@@ -68,11 +82,17 @@ _REGISTRY: dict[str, TierEntry] = {
 }
 
 # Options every tier takes: the agent's policy for it (retention, throttle, rank fan-out), each
-# a number >= 0 (0 or absent: off, or the default).
+# a number >= 0 (0 or absent: off, or the default). temp_grace_s: how old another node's
+# temporaries must be before they count as a crashed upload's (absent: TEMP_GRACE_S).
 POLICY_OPTIONS: dict[str, Callable[[str], float]] = {
     "keep_last": int, "keep_every": int, "every_steps": int, "every_seconds": float,
-    "rank_concurrency": int,
+    "rank_concurrency": int, "retire_abandoned": int, "temp_grace_s": float,
 }  # fmt: skip
+
+SECRET_OPTIONS = frozenset(["key", "secret", "token"])
+"""Query options whose values are credentials: :func:`redact` hides them."""
+
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 
 
 def register_tier(
@@ -133,6 +153,20 @@ def _load(scheme: str, entry: TierEntry) -> type[Tier]:
     return cls
 
 
+def redact(url: str) -> str:
+    """``url`` fit to print: the values of credential options (``key=``, ``secret=``,
+    ``token=``) and a ``user:password@`` before the location shown as ``***``. Never raises."""
+    head, sep, query = str(url).partition("?")
+    head = _USERINFO.sub(r"\1***@", head, count=1)
+    if sep:
+        parts = []
+        for part in query.split("&"):
+            name, eq, _ = part.partition("=")
+            parts.append(f"{name}=***" if eq and name.strip().lower() in SECRET_OPTIONS else part)
+        query = "&".join(parts)
+    return head + sep + query
+
+
 def _option_text(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -167,22 +201,27 @@ def _resolve_path(location: str, url: str) -> str:
     if location.startswith("localhost/"):
         location = location[len("localhost") :]
     if location == "":
-        raise ConfigError(f"tier URL {url!r} names no directory: expected e.g. file:///mnt/ckpt")
+        raise ConfigError(
+            f"tier URL {redact(url)!r} names no directory: expected e.g. file:///mnt/ckpt"
+        )
     return os.path.abspath(os.path.expanduser(location))
 
 
 def parse_spec(url: str, **options: object) -> TierSpec:
     """Parse a tier URL; ``options`` override its query string (explicit arguments win)."""
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"a tier URL must be a non-empty str like file:///mnt/ckpt, got {url!r}")
+        shown = redact(url) if isinstance(url, str) else url
+        raise ConfigError(
+            f"a tier URL must be a non-empty str like file:///mnt/ckpt, got {shown!r}"
+        )
     scheme, location, query = _split(url.strip())
     entry = _entry(scheme)
     try:
         merged = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    except ValueError as exc:
+    except ValueError:
         raise ConfigError(
-            f"tier URL {url!r} has a malformed query {query!r} ({exc}): expected key=value pairs "
-            "joined by '&'"
+            f"tier URL {redact(url)!r} has a malformed query: expected key=value pairs joined "
+            "by '&'"
         ) from None
     merged.update({k: _option_text(v) for k, v in options.items() if v is not None})
     scope = _scope(merged.pop("scope", ""), entry.default_scope)
@@ -192,10 +231,10 @@ def parse_spec(url: str, **options: object) -> TierSpec:
         location = location.strip("/")
         if not location:
             raise ConfigError(
-                f"tier URL {url!r} has no location: expected {scheme}://<where>, e.g. "
+                f"tier URL {redact(url)!r} has no location: expected {scheme}://<where>, e.g. "
                 "s3://bucket/prefix"
             )
-    canonical = f"{scheme}://{location}"
+    canonical = redact(f"{scheme}://{location}")  # printed everywhere: no credentials
     spec = TierSpec(url=canonical, scheme=scheme, location=location, scope=scope, options=merged)
     _check_options(spec, entry)
     return spec
@@ -214,6 +253,25 @@ def _check_options(spec: TierSpec, entry: TierEntry) -> None:
     for name, convert in POLICY_OPTIONS.items():
         if option(spec, name, 0, convert) < 0:
             raise ConfigError(f"tier {spec.url}: option {name}={spec.options[name]!r} must be >= 0")
+    for name in MODE_OPTIONS:
+        if name in spec.options:
+            mode_option(spec, name)
+
+
+def mode_option(spec: TierSpec, name: str) -> int:
+    """The octal mode option ``name`` (``mode`` for files, ``dir_mode`` for directories)."""
+    default, owner, example = MODE_OPTIONS[name]
+
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"0?o?[0-7]{3}", text.strip()):
+            raise ValueError(text)
+        mode = int(text.strip().replace("o", "")[-3:], 8)
+        if mode & owner != owner or mode & 0o002:
+            raise ValueError(text)
+        return mode
+
+    expected = f"an octal mode such as {example} that keeps {owner:04o} for the owner and "
+    return option(spec, name, default, parse, expected + "gives others no write access")
 
 
 def open_tier(url: str, **options: object) -> Tier:
@@ -224,7 +282,13 @@ def open_tier(url: str, **options: object) -> Tier:
     return cls(spec)
 
 
-def option(spec: TierSpec, name: str, default: T, convert: Callable[[str], T]) -> T:
+def option(
+    spec: TierSpec,
+    name: str,
+    default: T,
+    convert: Callable[[str], T],
+    expected: str | None = None,
+) -> T:
     """A typed tier option: ``convert(spec.options[name])`` or ``default`` when absent."""
     text = spec.options.get(name)
     if text is None or text == "":
@@ -232,9 +296,10 @@ def option(spec: TierSpec, name: str, default: T, convert: Callable[[str], T]) -
     try:
         return convert(text)
     except ValueError:
+        shown = "***" if name in SECRET_OPTIONS else repr(text)
         raise ConfigError(
-            f"tier {spec.url}: option {name}={text!r} is not valid: expected a value like "
-            f"{default!r}; fix the URL query or argument"
+            f"tier {spec.url}: option {name}={shown} is not valid: expected "
+            f"{expected or f'a value like {default!r}'}; fix the URL query or argument"
         ) from None
 
 

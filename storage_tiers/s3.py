@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-import aiohttp
 import botocore.exceptions
 import s3fs
 
@@ -22,6 +22,7 @@ from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailab
 
 from .base import RetryPolicy, Tier, TierSpec, check_delete_prefix, check_key, iter_chunks
 from .registry import as_bool, option
+from .s3_errors import DENIED_CODES, describe, error_code, transient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,70 +30,6 @@ T = TypeVar("T")
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's floor for every part but the last
 MAX_PART = 5 * 1024 * MiB
-
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "RequestThrottled",
-    "TooManyRequestsException",
-    "ServiceUnavailable",
-    "InternalError",
-    "RequestTimeout",
-}
-_DENIED_CODES = {
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "AllAccessDisabled",
-    "403",
-}
-_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
-    botocore.exceptions.HTTPClientError,
-    botocore.exceptions.ConnectionError,
-    aiohttp.ClientError,
-    ConnectionError,
-    asyncio.TimeoutError,
-    s3fs.core.FSTimeoutError,
-)
-
-
-def _client_error(exc: BaseException) -> botocore.exceptions.ClientError | None:
-    """The ClientError behind ``exc`` (s3fs re-raises them as OSError with the original as cause)."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return None
-        if isinstance(seen, botocore.exceptions.ClientError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _code(exc: BaseException) -> tuple[str, int]:
-    """S3 error code and HTTP status of ``exc``, or ``("", 0)`` when it is not an S3 reply."""
-    err = _client_error(exc)
-    if err is None:
-        return "", 0
-    return str(err.response.get("Error", {}).get("Code", "")), int(
-        err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    """``SlowDown (HTTP 503): message`` for S3 replies, the exception's repr otherwise."""
-    code, status = _code(exc)
-    return f"{code or 'error'} (HTTP {status}): {exc}" if code or status else repr(exc)
-
-
-def _transient(exc: BaseException) -> bool:
-    code, status = _code(exc)
-    if code or status:
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429
-    return isinstance(exc, _TRANSIENT_TYPES)
 
 
 class S3Tier(Tier):
@@ -158,7 +95,7 @@ class S3Tier(Tier):
 
     def _fatal(self, exc: BaseException, what: str, key: str) -> BaseException | None:
         """The error to raise at once for a permanent S3 failure, or None to re-raise ``exc``."""
-        code, status = _code(exc)
+        code, status = error_code(exc)
         where = f"s3://{self.bucket}/{self._key(key)}"
         if code in ("NoSuchKey", "NotFound") or (code == "404" and what != "list"):
             return CheckpointNotFoundError(
@@ -170,9 +107,9 @@ class S3Tier(Tier):
                 f"tier {self.spec.url}: bucket {self.bucket!r} does not exist at {self.endpoint}; "
                 f"create it (e.g. `aws s3 mb s3://{self.bucket}`) or fix the bucket in the URL"
             )
-        if code in _DENIED_CODES or status == 403:
+        if code in DENIED_CODES or status == 403:
             return TierUnavailableError(
-                f"tier {self.spec.url}: S3 refused {what} of {where} ({_describe(exc)}); "
+                f"tier {self.spec.url}: S3 refused {what} of {where} ({describe(exc)}); "
                 "check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or "
                 "the key/secret options) and the bucket policy"
             )
@@ -193,7 +130,7 @@ class S3Tier(Tier):
                 fatal = self._fatal(exc, what, key)
                 if fatal is not None:
                     raise fatal from exc
-                if not _transient(exc):
+                if not transient(exc):
                     raise
                 last = exc
                 if attempt + 1 < self.retry.attempts:
@@ -203,7 +140,7 @@ class S3Tier(Tier):
                         what,
                         key,
                         self.endpoint,
-                        _describe(exc),
+                        describe(exc),
                         attempt + 1,
                         self.retry.attempts - 1,
                         delay,
@@ -212,7 +149,7 @@ class S3Tier(Tier):
         raise TierUnavailableError(
             f"tier {self.spec.url}: S3 endpoint {self.endpoint} (bucket {self.bucket!r}) is "
             f"unreachable or failing: {what} of {key!r} failed {self.retry.attempts} times, last "
-            f"error: {_describe(last) if last else None}; check that the endpoint is up and "
+            f"error: {describe(last) if last else None}; check that the endpoint is up and "
             "reachable, or raise retry_attempts / retry_backoff_s"
         ) from last
 
@@ -325,7 +262,7 @@ class S3Tier(Tier):
             try:
                 reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=full, **ranged)
             except Exception as exc:
-                if _code(exc)[0] == "InvalidRange":  # start at or past the end
+                if error_code(exc)[0] == "InvalidRange":  # start at or past the end
                     return b""
                 raise
             body = reply["Body"]
@@ -363,7 +300,7 @@ class S3Tier(Tier):
                 Range=f"bytes={pos}-{pos + len(dest) - 1}",
             )
         except Exception as exc:
-            if _code(exc)[0] == "InvalidRange":
+            if error_code(exc)[0] == "InvalidRange":
                 raise self._short(key, pos, pos + len(dest)) from None
             raise
         body = reply["Body"]
@@ -390,25 +327,59 @@ class S3Tier(Tier):
 
     # -- list / delete -----------------------------------------------------------------------
 
-    async def list(self, prefix: str) -> list[str]:
+    def _under(self, prefix: str) -> tuple[str, Callable[[str], bool]]:
+        """The S3 ``Prefix`` to list ``prefix`` with (a tier key, possibly ``""``), and a test
+        that keeps the full names in its tree (a sibling like ``step-10`` of ``step-1`` out)."""
         rel = check_key(prefix, prefix=True)
         full = self._key(rel)
+        if not rel:
+            return (full + "/" if full else ""), lambda name: True
+        return full, lambda name: name == full or name.startswith(full + "/")
+
+    async def list(self, prefix: str) -> list[str]:
+        s3_prefix, inside = self._under(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full + "/" if full else ""}
-        if rel:
-            kwargs["Prefix"] = full  # the key itself and its tree; siblings filtered below
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": s3_prefix}
         while True:
             page = await self._call("list", prefix, "list_objects_v2", **kwargs)
             for obj in page.get("Contents", []):
                 name = obj["Key"]
                 if name.endswith("/"):
                     continue  # a console's "folder" marker, not an object
-                if not rel or name == full or name.startswith(full + "/"):
+                if inside(name):
                     keys.append(name[strip:])
             if not page.get("IsTruncated"):
                 return sorted(keys)
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    async def clean_temporaries(
+        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
+    ) -> int:
+        """Abort the multipart uploads under ``prefix`` that dead writers left unfinished."""
+        s3_prefix, inside = self._under(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        cutoff = time.time() - older_than_s
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": s3_prefix}
+        removed = 0
+        while True:
+            page = await self._call("list uploads", prefix, "list_multipart_uploads", **kwargs)
+            for upload in page.get("Uploads", []):
+                name = upload["Key"]
+                if not inside(name):
+                    continue
+                key = name[strip:]
+                if upload["Initiated"].timestamp() <= cutoff or (mine is not None and mine(key)):
+                    await self._abort(key, name, upload["UploadId"])
+                    removed += 1
+            if not page.get("IsTruncated"):
+                break
+            kwargs["KeyMarker"] = page["NextKeyMarker"]
+            kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
+        if removed:
+            log.info("%s: aborted %d unfinished uploads of crashed writes under %r",
+                     self.spec.url, removed, prefix)  # fmt: skip
+        return removed
 
     async def delete(self, prefix: str) -> None:
         check_delete_prefix(prefix, self.spec.url)

@@ -183,7 +183,7 @@ def test_ranks_saving_faster_than_the_tier_writes_still_get_steps_committed(
         for ck in cks:
             ck.close()
     out = {"t": torch.zeros(4 * 2**20)}
-    assert TierSource(url, "fast", 1, verify=True).load(out, done[-1], allow_pickle=False)
+    assert TierSource(url, "fast", 1, verify=True).load(out, (0, done[-1]), allow_pickle=False)
     assert bool((out["t"] == 1).all())
 
 
@@ -212,7 +212,7 @@ def test_a_rank_closing_first_does_not_get_its_last_step_stored_without_the_othe
     assert committed(url, "late")[-1] == 3
     for r in range(2):
         out = {"t": torch.zeros(1000, dtype=torch.int64)}
-        assert TierSource(url, "late", r, verify=True).load(out, 3, allow_pickle=False)
+        assert TierSource(url, "late", r, verify=True).load(out, (0, 3), allow_pickle=False)
         assert bool((out["t"] == 30 + r).all())
 
 
@@ -341,6 +341,8 @@ def test_disk_full_fails_that_tier_and_keeps_older_steps(tmp_path):
         **os.environ,
         "FLASHCKPT_SHM_DIR": f"/dev/shm/fc-full-{os.getpid()}",
         "FLASHCKPT_RUN_DIR": str(tmp_path / "run"),
+        "FLASHCKPT_GIVE_UP_AFTER": "1",  # its agents stop retrying the full disk and exit
+        "FLASHCKPT_EXIT_WHEN_IDLE": "1",
     }
     try:
         out = subprocess.run(

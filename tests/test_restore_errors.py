@@ -71,7 +71,7 @@ def test_manifest_json_round_trips_entries_shards_and_checksums():
         Entry("o", "pickle", "uint8", (5,), 32, 5, 1),
     )
     tree = {"t": "dict", "items": [["w", {"t": "tensor", "i": 0}], ["o", {"t": "pickle", "i": 1}]]}
-    m = Manifest("j", 3, 7, tree, entries, 37, chunk_size=16, world_size=2, meta={"k": [1, 2]})
+    m = Manifest("j", 3, 7, tree, entries, 37, chunk_size=32, world_size=2, meta={"k": [1, 2]})
     doc = json.loads(m.to_json())
     assert doc["entries"][0]["shard"] == {
         "global_shape": [8, 4], "global_offset": [4, 0],
@@ -120,3 +120,15 @@ def test_bad_steps_and_states(shm_dir):
             ck.save(1, [torch.zeros(1)])
         with pytest.raises(TypeError, match="sparse|layout"):
             ck.save(1, {"s": torch.zeros(3, 3).to_sparse()})
+
+
+def test_a_state_nested_deeper_than_a_restore_accepts_fails_at_save(shm_dir):
+    deep: dict = {"t": torch.ones(1)}
+    for _ in range(150):
+        deep = {"d": deep}
+    with Checkpointer(job="deep") as ck:
+        with pytest.raises(TypeError, match="deeper than 100 levels"):
+            ck.save(1, {"s": deep})
+        shallow = {"s": {"d": {"d": {"t": torch.ones(1)}}}}
+        ck.save(2, shallow)
+        assert ck.restore({"s": {"d": {"d": {"t": torch.zeros(1)}}}}) == 2

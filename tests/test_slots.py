@@ -15,15 +15,16 @@ from flashckpt.slot import Slot, SlotState
 
 
 def headers(ck):
-    return [s.header() for s in ck._pair.slots]
+    return [s.header() for s in ck._pair.slots if s is not None]
 
 
 def test_slots_alternate_and_are_reused(shm_dir):
     t = torch.arange(1000, dtype=torch.float32)
     with Checkpointer(job="alt") as ck:
         ck.restore({"t": t})  # readies the slots off the save path
-        ck._prep.result()
-        inodes = [os.stat(p).st_ino for p in ck._pair.paths]
+        for fut in list(ck._prep.pending.values()):
+            fut.result()
+        inodes = [os.stat(p).st_ino for p in ck._pair.paths[:2]]
         layout = None
         for step in range(6):
             t.fill_(step)
@@ -32,7 +33,7 @@ def test_slots_alternate_and_are_reused(shm_dir):
             layout = ck._layout
         steps = sorted(h.step for h in headers(ck))
         assert steps == [4, 5] and all(h.state == SlotState.READY for h in headers(ck))
-        assert [os.stat(p).st_ino for p in ck._pair.paths] == inodes
+        assert [os.stat(p).st_ino for p in ck._pair.paths[:2]] == inodes
         assert len(os.listdir(shm_dir / "alt")) == 3  # two slots and the owner lock
     assert not (shm_dir / "alt").exists()  # close() frees the memory
 
@@ -44,30 +45,34 @@ def test_growth_when_state_grows(shm_dir):
         big = torch.arange(3_000_000, dtype=torch.float32)
         ck.save(2, {"t": big})
         ck.save(3, {"t": big * 2})
-        assert min(s.capacity for s in ck._pair.slots) > small
+        assert min(s.capacity for s in ck._pair.slots if s is not None) > small
         out = {"t": torch.zeros(3_000_000)}
         assert ck.restore(out) == 3 and torch.equal(out["t"], big * 2)
 
 
-def test_writer_never_overwrites_a_slot_being_read(shm_dir):
+def test_writer_never_overwrites_a_slot_being_read_nor_the_newest_snapshot(shm_dir):
     with Checkpointer(job="rd") as ck:
         ck.save(1, {"t": torch.ones(4)})
         ck.save(2, {"t": torch.ones(4) * 2})
-        held = next(s for s in ck._pair.slots if s.header().step == 1)
+        held = next(s for s in ck._pair.slots if s is not None and s.header().step == 1)
         reader = Slot.open_readonly(held.path)  # a reader (the agent) holds the older slot
         assert reader.try_lock(exclusive=False)
-        for step in (3, 4):
-            ck.save(step, {"t": torch.ones(4) * step})
-        assert held.header().step == 1
-        assert sorted(h.step for h in headers(ck)) == [1, 4]
-        other = Slot.open_readonly(next(s for s in ck._pair.slots if s is not held).path)
-        assert other.try_lock(exclusive=False)  # now both are held: the snapshot is dropped
+        # Step 2 is the newest: writing over it would leave only step 1 if this save died. A
+        # spare slot takes step 3, and from then on three slots turn.
+        ck.save(3, {"t": torch.ones(4) * 3})
+        assert sorted(h.step for h in headers(ck)) == [1, 2, 3]
+        ck.save(4, {"t": torch.ones(4) * 4})
+        assert held.header().step == 1 and sorted(h.step for h in headers(ck)) == [1, 3, 4]
+        other = [Slot.open_readonly(s.path) for s in ck._pair.slots if s.header().step == 3]
+        assert other[0].try_lock(exclusive=False)  # readers hold all but the newest
         ck.save(5, {"t": torch.ones(4) * 5})
-        assert ck.skipped == 1 and sorted(h.step for h in headers(ck)) == [1, 4]
+        assert ck.skipped == 1 and sorted(h.step for h in headers(ck)) == [1, 3, 4]
         reader.close()  # closing drops the lock, as a reader's death would
-        other.close()
+        other[0].close()
         ck.save(6, {"t": torch.ones(4) * 6})
-        assert sorted(h.step for h in headers(ck)) == [4, 6]
+        assert sorted(h.step for h in headers(ck)) == [3, 4, 6]
+        restored = {"t": torch.zeros(4)}
+        assert ck.restore(restored) == 6 and float(restored["t"][0]) == 6.0
 
 
 def test_second_live_writer_for_a_rank_is_refused(shm_dir):
@@ -107,10 +112,32 @@ def test_corrupt_snapshot_falls_back_to_the_older_one(shm_dir, caplog):
         ck.save(1, {"t": torch.ones(n)})
         ck.save(2, {"t": torch.ones(n) * 2})
         ck._sealer.drain(10)
-        newest = next(s for s in ck._pair.slots if s.header().step == 2)
+        newest = next(s for s in ck._pair.slots if s is not None and s.header().step == 2)
         assert newest.header().sealed
         newest.buf[4096 + 3 * 2**20 + 2 * 4 * 2**20] ^= 0xFF  # a byte in chunk 2 of step 2's data
         out = {"t": torch.zeros(n)}
         assert ck.restore(out) == 1 and torch.equal(out["t"], torch.ones(n))
         assert "chunk 2 of 't'" in caplog.text
         assert "crc32c" in caplog.text and "corrupt" in caplog.text
+
+
+def test_no_room_for_a_spare_slot_skips_the_snapshot_and_training_goes_on(shm_dir, monkeypatch):
+    from flashckpt.slot import shm_space_error
+    from flashckpt.slots import SlotPair
+
+    with Checkpointer(job="nospare") as ck:
+        ck.save(1, {"t": torch.ones(4)})
+        ck.save(2, {"t": torch.ones(4) * 2})
+        held = next(s for s in ck._pair.slots if s is not None and s.header().step == 1)
+        reader = Slot.open_readonly(held.path)
+        assert reader.try_lock(exclusive=False)
+
+        def full(self, capacity):
+            raise shm_space_error(self.paths[0], capacity)
+
+        monkeypatch.setattr(SlotPair, "check_space", full)
+        ck.save(3, {"t": torch.ones(4) * 3})  # no exception: the snapshot is skipped
+        assert ck.skipped == 1 and sorted(h.step for h in headers(ck)) == [1, 2]
+        reader.close()
+        ck.save(4, {"t": torch.ones(4) * 4})
+        assert sorted(h.step for h in headers(ck)) == [2, 4]

@@ -324,6 +324,32 @@ class TestTierContract:
 
         run(go())
 
+    def test_clean_temporaries_removes_crashed_and_own_leftovers_only(self, case: TierCase) -> None:
+        """What writers killed mid-put left: kept while it may be a live writer's (young and
+        not claimed by ``mine``), removed once old or claimed; objects and other prefixes stay."""
+
+        async def go() -> None:
+            tier = case.open()
+            try:
+                await tier.put("job/step-1/rank-0/data", [memoryview(b"ok")], 2)
+                for key in ("job/step-2/rank-0/data", "job/step-2/rank-1/data", "other/x/data"):
+                    case.leave_temporary(key)
+                young = 1e9  # every leftover here is younger (moto dates uploads 2010-11-10)
+                assert await tier.clean_temporaries("job/", young) == 0
+                assert len(case.leftovers()) == 3
+                own = await tier.clean_temporaries(
+                    "job/", young, mine=lambda key: key == "job/step-2/rank-1/data"
+                )
+                assert own == 1 and len(case.leftovers()) == 2
+                assert await tier.clean_temporaries("job/", 0) == 1
+                assert [p for p in case.leftovers() if "/other/" not in p] == []
+                assert await tier.list("") == ["job/step-1/rank-0/data"]
+                assert await tier.get("job/step-1/rank-0/data") == b"ok"
+            finally:
+                await tier.close()
+
+        run(go())
+
     @pytest.mark.parametrize("bad", ["../escape", "/abs/key", "a//b", "a/./b", ".tmp-x", ""])
     def test_keys_that_could_escape_are_refused(self, case: TierCase, bad: str) -> None:
         async def go() -> None:
