@@ -121,7 +121,7 @@ class Checkpointer:
             # Persistence lags: a reader holds the older slot and the newest snapshot is kept.
             # The spare slot is readied now, once, and from then on three slots turn.
             try:
-                self._prep.ready_target(need, capacity, _on_device(leaves))
+                self._prep.ready_spare(capacity, _on_device(leaves))
                 slot = self._pair.acquire_for_write(need)
             except SharedMemoryError as exc:  # no room for a spare: skip while it lags
                 self._pair.in_use = in_use

@@ -44,6 +44,15 @@ class SlotPreparer:
             if i == order[0] or self.pair.slots[i] is not None:
                 self.prepare(i, capacity, on_device, prefault=i != order[0])
 
+    def ready_spare(self, capacity: int, on_device: bool) -> None:
+        """Ready the spare slot now (its copy faults the pages in). Named by index, not by
+        write order: the slot first in that order may be the invalid one a reader still holds
+        (the agent was storing it when it broke), and the spare must not wait behind it."""
+        spare = self.pair.in_use - 1
+        if _short(self.pair.slots[spare], capacity):
+            self.pair.check_space(capacity)
+            self.prepare(spare, capacity, on_device, prefault=False)
+
     def the_rest_in_background(self, capacity: int, on_device: bool) -> None:
         """Ready every slot in use that is missing or smaller than ``capacity``, in the order
         snapshots go to them, one after the other on a background thread."""

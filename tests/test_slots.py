@@ -75,6 +75,29 @@ def test_writer_never_overwrites_a_slot_being_read_nor_the_newest_snapshot(shm_d
         assert ck.restore(restored) == 6 and float(restored["t"][0]) == 6.0
 
 
+def test_a_reader_holding_an_invalid_slot_sends_the_snapshot_to_the_spare(shm_dir):
+    """The agent holds the older slot while it stores it, and the slot breaks meanwhile (its
+    header is now invalid, so it sorts first in write order): the spare takes the snapshot."""
+    import struct
+
+    with Checkpointer(job="rdbad") as ck:
+        ck.save(1, {"t": torch.ones(4)})
+        ck.save(2, {"t": torch.ones(4) * 2})
+        held = next(s for s in ck._pair.slots if s is not None and s.header().step == 1)
+        reader = Slot.open_readonly(held.path)
+        assert reader.try_lock(exclusive=False)
+        with open(held.path, "r+b") as f:  # the state field: not a state a writer leaves
+            f.seek(12)
+            f.write(struct.pack("<I", 7))
+        ck.save(3, {"t": torch.ones(4) * 3})
+        assert ck.skipped == 0
+        assert sorted(h.step for s in ck._pair.slots if s is not None and s is not held
+                      for h in [s.header()]) == [2, 3]  # fmt: skip
+        reader.close()
+        restored = {"t": torch.zeros(4)}
+        assert ck.restore(restored) == 3 and float(restored["t"][0]) == 3.0
+
+
 def test_second_live_writer_for_a_rank_is_refused(shm_dir):
     with Checkpointer(job="busy") as ck:
         ck.save(1, {"t": torch.ones(1)})
