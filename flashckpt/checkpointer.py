@@ -15,7 +15,9 @@ import torch
 from . import config, cuda, group
 from .agent_client import AgentClient, socket_path
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
+from .events import EventLog
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
+from .heartbeat import Heartbeat, Phase, heartbeat_path, install_optimizer_hook, stacks_path
 from .lineage import Lineage, newest
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .safe_paths import write_atomic
@@ -84,12 +86,18 @@ class Checkpointer:
         self._agent: AgentClient | None = None
         self._last_saved: int | None = None
         self._lineage: Lineage | None = None  # the branch saves go to; set by restore()
+        self._heartbeat: Heartbeat | None = None  # made once the rank is claimed
+        self._no_heartbeat = False
+        self._events = EventLog.from_env()  # set by flashckpt-run
+        self._save_stall = 0.0  # seconds save() blocked, over all saves
+        self._restored_from: str | None = None
 
     # ---- public API ------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> None:
         """Snapshot ``state`` as ``step``. Returns once the snapshot no longer depends on the
         caller (CPU tensors) or once the device copies are queued (CUDA, overlapped mode)."""
         config.check_step(step)
+        began = time.perf_counter()
         with self._lock:
             self._check_open()
             tree, leaves = flatten(state)
@@ -104,12 +112,18 @@ class Checkpointer:
             need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
             self._settle()
             self._pair.claim()
+            beat = self._beat()
+            if beat is not None:
+                beat.phase(Phase.SAVE, step)
             capacity, on_device = need + max(_MANIFEST_HEADROOM, len(raw)), _on_device(leaves)
             self._prep.ready_target(need, capacity, on_device)
             try:
                 self._snapshot(step, state, layout, leaves, manifest, raw, (need, capacity))
             finally:  # other slots (a spare too, once needed) once the copy is done
                 self._prep.the_rest_in_background(capacity, on_device)
+            if beat is not None:
+                beat.progress(step)
+            self._save_stall += time.perf_counter() - began
 
     def _snapshot(self, step: int, state: Mapping[str, Any], layout: Layout, leaves: list[Leaf],
                   manifest: Manifest, raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
@@ -177,10 +191,19 @@ class Checkpointer:
             )
             self._settle()
             self._pair.claim()
+            beat = self._beat()
+            if beat is not None:
+                beat.phase(Phase.RESTORE)
+            began = time.monotonic()
             self._pair.check_space(capacity)
             self._pair.open_existing()
             self._connect_agent()
             restored = self._restore(state, step, allow)
+            if beat is not None:  # the first step after a restore gets the start-up budget
+                beat.phase(Phase.STARTUP, restored)
+            if self._events is not None:
+                self._events.record("restored", rank=self.rank, step=restored,
+                                    seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
             # Ready the slots off the training step, the one the first save() goes to first.
             self._prep.the_rest_in_background(capacity, _on_device(leaves))
         if restored is None and step is not None:
@@ -240,9 +263,35 @@ class Checkpointer:
                 if not remove and self._last_saved is not None:
                     marker = closed_marker_path(self.shm_dir, self.job, self.rank)
                     write_atomic(marker, f"{self._last_saved} {self.generation}".encode())
+                self._close_heartbeat()
                 self._pair.close(remove=remove)
                 if self._agent is not None:
                     self._agent.close()
+
+    def _beat(self) -> Heartbeat | None:
+        """This rank's heartbeat page, made on first use once the rank is claimed (its
+        directory exists); without one, saving goes on and only hangs go unnoticed."""
+        if self._heartbeat is None and not self._no_heartbeat:
+            try:
+                self._heartbeat = Heartbeat(
+                    heartbeat_path(self.shm_dir, self.job, self.rank),
+                    stacks_path(self.shm_dir, self.job, self.rank),
+                )
+                install_optimizer_hook()
+            except (OSError, FlashCkptError) as exc:
+                self._no_heartbeat = True
+                log.warning("rank %d has no heartbeat page (%s); a hang of it goes unnoticed",
+                            self.rank, exc)  # fmt: skip
+        return self._heartbeat
+
+    def _close_heartbeat(self) -> None:
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is None:
+            return
+        if self._events is not None:
+            self._events.record("closed", rank=self.rank, last_saved=self._last_saved,
+                                save_stall_s=self._save_stall, step_s=beat.typical_step_s())  # fmt: skip
+        beat.close()
 
     def _holds_nothing(self) -> bool:
         try:
@@ -356,7 +405,7 @@ class Checkpointer:
                 for src, keys in zip(sources, held, strict=True):
                     if key in keys and src.load(state, key, allow):
                         log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
-                        ok = True
+                        ok, self._restored_from = True, src.name
                         break
             except Exception as exc:  # raised below on every rank together, not here alone
                 error = exc

@@ -1,0 +1,229 @@
+"""Heartbeat pages: each trainer's progress in shared memory, read by the hang watchdog.
+
+One small file per rank, ``<shm_dir>/<job>/rank-<R>.heartbeat``, that the rank's
+``Checkpointer`` updates on every ``save()``, ``restore()`` and ``close()`` and, through a
+global optimizer-step post-hook, on every optimizer step: a few stores into a mapped page, no
+RPC and no system call on the training step. The watchdog of ``flashckpt-run`` reads the pages
+of its workers and tells a slow rank from a hung one with the step times the page carries.
+
+The page is written by one process and read by others, so a read is untrusted: a seqlock
+guards torn reads, and anything that does not parse is treated as no page at all.
+"""
+
+from __future__ import annotations
+
+import enum
+import faulthandler
+import mmap
+import os
+import signal
+import statistics
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from .safe_paths import open_file
+
+MAGIC = b"FCHBEAT1"
+_FMT = struct.Struct("<8sQqIIqQdddd")
+# magic, seq (odd while writing), pid, phase, reserved, step, beats (progress count),
+# updated_at, slowest recent step interval, started_at, phase_since: times are CLOCK_MONOTONIC,
+# which every process of the node shares.
+PAGE = 4096
+WINDOW = 32
+"""Step intervals kept to learn the step time: the slowest of the last WINDOW counts."""
+STACK_SIGNAL = signal.SIGUSR2
+"""Makes a trainer dump its Python stacks into its ``rank-<R>.stacks`` file (faulthandler)."""
+
+
+class Phase(enum.IntEnum):
+    UNSPECIFIED = 0
+    STARTUP = 1
+    TRAIN = 2
+    SAVE = 3
+    RESTORE = 4
+    CLOSED = 5
+
+
+def heartbeat_path(shm_dir: Path, job: str, rank: int) -> Path:
+    return shm_dir / job / f"rank-{rank}.heartbeat"
+
+
+def stacks_path(shm_dir: Path, job: str, rank: int) -> Path:
+    return shm_dir / job / f"rank-{rank}.stacks"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One consistent read of a page."""
+
+    pid: int
+    phase: Phase
+    step: int | None
+    beats: int
+    updated_at: float
+    slowest_step_s: float  # 0 until one full step interval was seen in the train phase
+    started_at: float
+    phase_since: float
+
+
+class Heartbeat:
+    """The writer side: one per Checkpointer. ``progress()`` is the per-step call."""
+
+    def __init__(self, path: Path, stacks: Path):
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)
+        try:
+            os.ftruncate(fd, PAGE)
+            self._mm = mmap.mmap(fd, PAGE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._phase = Phase.STARTUP
+        self._step = -1
+        self._beats = 0
+        self._last_progress: float | None = None
+        self._intervals: deque[float] = deque(maxlen=WINDOW)
+        now = time.monotonic()
+        self._started, self._phase_since = now, now
+        self._stacks_path = stacks
+        _register_stack_dump(stacks)
+        self._write(now)
+        _live.add(self)
+
+    def phase(self, phase: Phase, step: int | None = None) -> None:
+        """Enter ``phase`` (a save, a restore, training again, closed)."""
+        with self._lock:
+            now = time.monotonic()
+            if phase != self._phase:
+                self._phase, self._phase_since = phase, now
+            if phase == Phase.RESTORE:
+                self._last_progress = None  # the step time restarts with the new run
+            if step is not None:
+                self._step = step
+            self._write(now)
+
+    def progress(self, step: int | None = None) -> None:
+        """One more step done (an optimizer step, a save): the rank is alive and training."""
+        with self._lock:
+            now = time.monotonic()
+            if self._phase != Phase.TRAIN:
+                self._phase, self._phase_since = Phase.TRAIN, now
+            elif self._last_progress is not None:
+                self._intervals.append(now - self._last_progress)
+            self._last_progress = now
+            self._beats += 1
+            if step is not None:
+                self._step = step
+            self._write(now)
+
+    def typical_step_s(self) -> float | None:
+        """The median of the recent step intervals, None before two steps."""
+        with self._lock:
+            return statistics.median(self._intervals) if self._intervals else None
+
+    def close(self) -> None:
+        """Mark the rank closed and remove its page: the watchdog stops watching it, and a
+        worker that exits afterwards has finished, not failed."""
+        self.phase(Phase.CLOSED)
+        _live.discard(self)
+        self.path.unlink(missing_ok=True)
+        self._mm.close()
+        _unregister_stack_dump(self._stacks_path)
+
+    def _write(self, now: float) -> None:
+        self._seq += 1  # odd: a reader retries
+        struct.pack_into("<Q", self._mm, 8, self._seq)
+        slowest = max(self._intervals, default=0.0)
+        _FMT.pack_into(
+            self._mm, 0, MAGIC, self._seq, os.getpid(), int(self._phase), 0, self._step,
+            self._beats, now, slowest, self._started, self._phase_since,
+        )  # fmt: skip
+        self._seq += 1
+        struct.pack_into("<Q", self._mm, 8, self._seq)
+
+
+def read(path: Path) -> Beat | None:
+    """The page's current beat, or None if there is no valid page (missing, foreign, torn)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = b""
+        for _ in range(100):
+            raw = os.pread(fd, _FMT.size, 0)
+            if len(raw) < _FMT.size:
+                return None
+            first = struct.unpack_from("<Q", raw, 8)[0]
+            if first % 2 == 0:
+                break
+            time.sleep(0.0001)
+        else:
+            return None
+    finally:
+        os.close(fd)
+    magic, _, pid, phase, _, step, beats, updated, slowest, started, since = _FMT.unpack(raw)
+    ok = magic == MAGIC and pid > 0 and phase in Phase._value2member_map_
+    times = (updated, slowest, started, since)
+    if not ok or not all(t == t and 0 <= t < 1e12 for t in times):  # t == t: not NaN
+        return None
+    return Beat(pid, Phase(phase), step if step >= 0 else None, beats, updated, slowest,
+                started, since)  # fmt: skip
+
+
+# ---- per-process plumbing: the optimizer-step hook and the stack dump ----------------------
+
+_live: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook = None
+
+
+def install_optimizer_hook() -> None:
+    """Every optimizer step of this process is progress for its live heartbeats, so a job
+    that saves every N steps still beats every step (registered once per process)."""
+    global _hook
+    with _hook_lock:
+        if _hook is not None:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def beat(*_: object) -> None:
+            for hb in list(_live):
+                hb.progress()
+
+        _hook = register_optimizer_step_post_hook(beat)
+
+
+_stack_files: dict[str, object] = {}
+
+
+def _register_stack_dump(path: Path):
+    """Dump every thread's Python stack into ``path`` on STACK_SIGNAL (faulthandler writes
+    from the signal handler, so a rank blocked in a collective still answers)."""
+    key = str(path)
+    if key in _stack_files:
+        return _stack_files[key]
+    try:
+        fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        f = os.fdopen(fd, "w")
+        faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=True)
+    except (OSError, ValueError, RuntimeError):
+        return None  # no stack dumps; hang detection still works
+    _stack_files[key] = f
+    return f
+
+
+def _unregister_stack_dump(path: Path) -> None:
+    f = _stack_files.pop(str(path), None)
+    if f is None:
+        return
+    if not _stack_files:
+        faulthandler.unregister(STACK_SIGNAL)
+    f.close()
+    path.unlink(missing_ok=True)

@@ -1,0 +1,193 @@
+"""``flashckpt-run``: torchrun with flashckpt's fault tolerance, one per node.
+
+It takes exactly torchrun's arguments and runs ``torch.distributed.run`` (TorchElastic's
+``LocalElasticAgent`` and rendezvous) with three additions:
+
+- restarts work across nodes with an unchanged ``init_process_group()``: every rendezvous
+  round gets a fresh store (rank 0 hosts a new one on a new port) instead of the agent's shared
+  store, where the previous attempt's keys make the new workers' gloo/NCCL connect time out;
+- ``FLASHCKPT_JOB`` is stable across reruns of the same command (``--rdzv-id``, else derived
+  from the command line) and printed, so a rerun resumes;
+- a watchdog reads this node's heartbeat pages, records worker starts and exits in the event
+  log, and kills a hung worker after its stacks are logged, so TorchElastic restarts the
+  worker group (and, through the rendezvous, every other node's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import config
+from .errors import FlashCkptError
+from .events import ENV as EVENTS_ENV
+from .events import EventLog, events_path
+from .hang import HangPolicy, Watchdog
+from .heartbeat import Phase, heartbeat_path, read
+
+log = logging.getLogger(__name__)
+
+_PAGE_SUFFIX = ".heartbeat"
+
+
+def job_for(args) -> str:
+    """FLASHCKPT_JOB, else the rendezvous id when it names the run, else one derived from
+    the command (the same for every rerun of it, and on every node)."""
+    if os.environ.get("FLASHCKPT_JOB"):
+        return config.validate_name("job", os.environ["FLASHCKPT_JOB"], "FLASHCKPT_JOB")
+    rdzv = getattr(args, "rdzv_id", "none") or "none"
+    if not args.standalone and rdzv != "none":
+        return config.validate_name("job", rdzv, "--rdzv-id")
+    script = args.training_script
+    if not args.module and os.path.isfile(script):
+        derived = config.job_from_command([script, *args.training_script_args])
+        if derived:
+            return derived
+    digest = hashlib.sha256("\0".join([script, *args.training_script_args]).encode()).hexdigest()
+    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in script).strip("._-")[:64]
+    return f"{stem or 'job'}-{digest[:8]}"
+
+
+class NodeWatch(threading.Thread):
+    """Polls this node's heartbeat pages of ``job``: logs worker starts and exits, and kills
+    a hung worker (its stacks logged first)."""
+
+    def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
+                 interval: float = 0.25):  # fmt: skip
+        super().__init__(name="flashckpt-watchdog", daemon=True)
+        self.shm_dir, self.job, self.dir = shm_dir, job, shm_dir / job
+        self.watchdog = Watchdog(shm_dir, job, policy)
+        self.events, self.interval = events, interval
+        self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                self.poll()
+            except Exception:  # the watchdog must never take the launcher down
+                log.exception("watchdog poll failed")
+
+    def poll(self) -> None:
+        workers = self._workers()
+        for rank, pid in workers.items():
+            if pid not in self.seen:
+                self.seen[pid] = rank
+                self.events.record("worker_started", rank=rank, worker_pid=pid)
+        me = os.getpid()
+        for pid, rank in list(self.seen.items()):
+            if _parent_and_state(pid)[0] == me:
+                continue
+            del self.seen[pid]
+            # A worker that closed its Checkpointer removed its page (or marked it closed);
+            # one that died left it as it was at its last sign of life.
+            beat = read(heartbeat_path(self.shm_dir, self.job, rank))
+            if beat is None or beat.pid != pid or beat.phase == Phase.CLOSED:
+                self.events.record("worker_finished", rank=rank, worker_pid=pid)
+            else:
+                self.events.record("worker_exited", rank=rank, worker_pid=pid, step=beat.step,
+                                   phase=beat.phase.name.lower(),
+                                   silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
+        hangs = self.watchdog.check(workers)
+        states = {h.pid: _parent_and_state(h.pid)[1] for h in hangs}
+        # A stopped worker is continued for its stack dump, so the running hung ones (its
+        # peers in the collective it would join) are dumped and killed first.
+        for hang in sorted(hangs, key=lambda h: states[h.pid] == "T"):
+            log.error(
+                "rank %d (pid %d) is hung: no progress for %.1fs in its %s phase at step %s "
+                "(timeout %.1fs); dumping its stacks and killing it so the job restarts",
+                hang.rank, hang.pid, hang.silent_s, hang.phase, hang.step, hang.timeout_s,
+            )  # fmt: skip
+            self.events.record("hang_detected", rank=hang.rank, worker_pid=hang.pid,
+                               phase=hang.phase, step=hang.step, silent_s=hang.silent_s,
+                               timeout_s=hang.timeout_s,
+                               process_state=states[hang.pid])  # fmt: skip
+            stacks = self.watchdog.stacks(hang.rank, hang.pid, stopped=states[hang.pid] == "T")
+            self.events.record("stacks", rank=hang.rank, worker_pid=hang.pid, stacks=stacks)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hang.pid, signal.SIGKILL)  # a stopped process dies too
+            self.events.record("killed", rank=hang.rank, worker_pid=hang.pid, signal="SIGKILL")
+
+    def _workers(self) -> dict[int, int]:
+        """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
+        out: dict[int, int] = {}
+        try:
+            names = [p for p in os.listdir(self.dir) if p.endswith(_PAGE_SUFFIX)]
+        except OSError:
+            return out
+        me = os.getpid()
+        for name in names:
+            try:
+                rank = int(name[len("rank-") : -len(_PAGE_SUFFIX)])
+            except ValueError:
+                continue
+            beat = read(self.dir / name)
+            if beat is not None and _parent_and_state(beat.pid)[0] == me:
+                out[rank] = beat.pid
+        return out
+
+
+def _parent_and_state(pid: int) -> tuple[int, str]:
+    """(parent pid, state letter) of a live process; (0, "") if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return 0, ""
+    fields = raw[raw.rfind(")") + 2 :].split()
+    if len(fields) < 2 or fields[0] in ("Z", "X"):
+        return 0, ""
+    try:
+        return int(fields[1]), fields[0]
+    except ValueError:
+        return 0, ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(levelname)s %(message)s")
+    args = torchrun.parse_args(argv)
+    try:
+        job = job_for(args)
+        policy = HangPolicy.from_env()
+        shm_dir = config.shm_dir()
+        run_dir = config.run_dir()
+    except FlashCkptError as exc:
+        sys.exit(f"flashckpt-run: {exc}")
+    # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ["FLASHCKPT_JOB"] = job
+    events = EventLog(events_path(run_dir, job))
+    os.environ[EVENTS_ENV] = str(events.path)
+    log.info("job %s; event log %s", job, events.path)
+    events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
+                  hang_policy=policy.__dict__)  # fmt: skip
+    watch = NodeWatch(shm_dir, job, events, policy)
+    watch.start()
+    started = time.monotonic()
+    try:
+        torchrun.run(args)
+    except BaseException as exc:
+        events.record("launcher_exited", ok=False, error=type(exc).__name__,
+                      seconds=time.monotonic() - started)  # fmt: skip
+        raise
+    finally:
+        watch.stop()
+    events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
+
+
+if __name__ == "__main__":
+    main()

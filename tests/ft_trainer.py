@@ -1,0 +1,78 @@
+"""A small deterministic data-parallel job for the launcher tests, faults injected once per job.
+
+Plain user code: ``init_process_group()`` with no watchdog and no store tricks, the two lines
+of flashckpt. ``FT_FAULT=kill|stop``, ``FT_RANK``, ``FT_STEP``: that rank SIGKILLs or
+SIGSTOPs itself right after saving that step, the first time only (a marker in ``FT_MARKS``).
+Gradients are averaged with one all-reduce per parameter, not DDP: DDP rebuilds its buckets
+after the first step, so a resumed run's first step sums four ranks' gradients in another
+order than an undisturbed run, and the weights would differ in the last bits. Each rank prints ``restored <rank> <step|None>``; rank 0 writes the final weights' sha256 to
+``FT_DIGEST``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flashckpt import Checkpointer
+
+STEPS = int(os.environ.get("FT_STEPS", "30"))
+
+
+def fault_now(rank: int, step: int) -> str | None:
+    kind = os.environ.get("FT_FAULT")
+    if not kind or rank != int(os.environ["FT_RANK"]) or step != int(os.environ["FT_STEP"]):
+        return None
+    mark = Path(os.environ["FT_MARKS"]) / f"{kind}-{rank}-{step}"
+    try:
+        mark.touch(exist_ok=False)  # once per job, whatever the restarts
+    except FileExistsError:
+        return None
+    return kind
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt}
+    tiers = [t for t in os.environ.get("FT_TIERS", "").split(",") if t]
+
+    ckpt = Checkpointer(*tiers)
+    restored = ckpt.restore(state)
+    print(f"restored {rank} {restored}", flush=True)
+    for step in range(0 if restored is None else restored + 1, STEPS):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x = torch.randn(8, 16, generator=g)
+        loss = (model(x) - x.flip(1)).pow(2).mean()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step, state)
+        kind = fault_now(rank, step)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+    ckpt.close()
+    if rank == 0:
+        digest = hashlib.sha256()
+        for v in model.state_dict().values():
+            digest.update(v.detach().numpy().tobytes())
+        Path(os.environ["FT_DIGEST"]).write_text(digest.hexdigest())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

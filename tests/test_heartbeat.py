@@ -1,0 +1,155 @@
+"""Heartbeat pages, the hang policy and the event report, in one process and its children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flashckpt import Checkpointer, ConfigError
+from flashckpt.events import EventLog, read_events
+from flashckpt.hang import HangPolicy, Watchdog
+from flashckpt.heartbeat import Beat, Heartbeat, Phase, heartbeat_path, read, stacks_path
+from flashckpt.report import render, summarize
+
+
+def beat(phase: Phase, slowest: float = 0.0) -> Beat:
+    return Beat(1, phase, 3, 7, time.monotonic(), slowest, 0.0, 0.0)
+
+
+def test_the_timeout_is_learned_from_step_times_and_bounded_per_phase():
+    p = HangPolicy(factor=5, floor=3, ceiling=60, startup=100, save=20, restore=40)
+    assert p.timeout(beat(Phase.TRAIN, 0.1)) == 3  # 0.5 s learned, raised to the floor
+    assert p.timeout(beat(Phase.TRAIN, 2.0)) == 10
+    assert p.timeout(beat(Phase.TRAIN, 30.0)) == 60  # capped by the ceiling
+    assert p.timeout(beat(Phase.TRAIN, 0.0)) == 100  # no full step yet: the start-up budget
+    assert p.timeout(beat(Phase.STARTUP)) == 100
+    assert p.timeout(beat(Phase.SAVE, 2.0)) == 20
+    assert p.timeout(beat(Phase.RESTORE, 2.0)) == 40
+    assert p.timeout(beat(Phase.CLOSED)) is None
+
+
+def test_the_policy_comes_from_the_environment_and_refuses_nonsense(monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_HANG_FLOOR", "3")
+    monkeypatch.setenv("FLASHCKPT_HANG_FACTOR", "2.5")
+    p = HangPolicy.from_env()
+    assert (p.floor, p.factor, p.ceiling) == (3.0, 2.5, 1800.0)
+    monkeypatch.setenv("FLASHCKPT_HANG_CEILING", "1")
+    with pytest.raises(ConfigError, match="FLASHCKPT_HANG_CEILING"):
+        HangPolicy.from_env()
+    monkeypatch.setenv("FLASHCKPT_HANG_CEILING", "abc")
+    with pytest.raises(ConfigError, match="FLASHCKPT_HANG_CEILING"):
+        HangPolicy.from_env()
+
+
+def test_a_page_round_trips_and_learns_the_slowest_step(tmp_path):
+    hb = Heartbeat(tmp_path / "rank-0.heartbeat", tmp_path / "rank-0.stacks")
+    first = read(hb.path)
+    assert first.pid == os.getpid() and first.phase == Phase.STARTUP and first.step is None
+    hb.progress(1)
+    time.sleep(0.05)
+    hb.progress(2)
+    hb.progress(3)
+    b = read(hb.path)
+    assert (b.phase, b.step, b.beats) == (Phase.TRAIN, 3, 3)
+    assert 0.05 <= b.slowest_step_s < 1.0 and b.updated_at >= first.updated_at
+    hb.phase(Phase.SAVE, 4)
+    assert read(hb.path).phase == Phase.SAVE and read(hb.path).step == 4
+    hb.close()
+    assert not hb.path.exists() and not (tmp_path / "rank-0.stacks").exists()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"garbage", b"\x00" * 4096, b"FCHBEAT1" + b"\xff" * 100],
+    ids=["empty", "short", "zeros", "junk"],
+)
+def test_a_page_that_does_not_parse_is_no_page(tmp_path, raw):
+    path = tmp_path / "rank-0.heartbeat"
+    path.write_bytes(raw)
+    assert read(path) is None
+    assert Watchdog(tmp_path.parent, tmp_path.name, HangPolicy()).check({0: os.getpid()}) == []
+
+
+def test_save_restore_and_optimizer_steps_beat(shm_dir):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    with Checkpointer(job="hb") as ck:
+        ck.restore(state)
+        path = heartbeat_path(shm_dir, "hb", 0)
+        assert read(path).phase == Phase.STARTUP
+        ck.save(5, state)
+        b = read(path)
+        assert (b.phase, b.step) == (Phase.TRAIN, 5)
+        for _ in range(3):  # steps between saves still beat, through the optimizer hook
+            model(torch.ones(4)).sum().backward()
+            opt.step()
+        assert read(path).beats == b.beats + 3
+    assert not path.exists()  # close() removes the page: the rank is no longer watched
+
+
+def test_the_watchdog_finds_a_stopped_rank_and_dumps_its_stacks(shm_dir):
+    code = (
+        "import os, signal, time, torch\n"
+        "from flashckpt import Checkpointer\n"
+        "ck = Checkpointer(job='hbstop')\n"
+        "ck.save(1, {'t': torch.ones(4)})\n"
+        "def waiting_in_a_collective():\n"
+        "    print('ready', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "    time.sleep(60)\n"
+        "waiting_in_a_collective()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        dog = Watchdog(shm_dir, "hbstop", HangPolicy(floor=0.3, startup=0.3))
+        deadline = time.monotonic() + 10
+        while not (hangs := dog.check({0: proc.pid})) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(h.rank, h.pid, h.phase, h.step) for h in hangs] == [(0, proc.pid, "train", 1)]
+        assert 0.3 < hangs[0].silent_s < 5
+        stacks = dog.stacks(0, proc.pid, stopped=True)
+        assert "waiting_in_a_collective" in stacks
+        assert dog.check({0: proc.pid + 1}) == []  # a page of another process is not this one's
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert stacks_path(shm_dir, "hbstop", 0).exists()  # a killed rank leaves its files
+
+
+def test_the_report_splits_lost_time_into_its_parts(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl")
+    t0 = 1000.0
+    lines = [
+        {"time": t0, "kind": "launcher_started"},
+        {"time": t0 + 10, "kind": "hang_detected", "rank": 3, "silent_s": 3.2, "step": 10,
+         "worker_pid": 11},
+        {"time": t0 + 10.5, "kind": "worker_exited", "rank": 2, "worker_pid": 12, "step": 10},
+        {"time": t0 + 16, "kind": "restored", "rank": 0, "step": 10, "seconds": 0.5},
+        {"time": t0 + 16.2, "kind": "restored", "rank": 3, "step": 10, "seconds": 0.7},
+        {"time": t0 + 30, "kind": "closed", "rank": 0, "save_stall_s": 1.5, "step_s": 0.1},
+        {"time": t0 + 31, "kind": "launcher_exited"},
+    ]  # fmt: skip
+    with open(log.path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+        f.write('{"torn": \n')  # a torn line is skipped
+    log.record("note", text="appended by the API")
+    events = read_events(log.path)
+    assert [e["kind"] for e in events][-1] == "note"
+    report = summarize(events)
+    (f,) = report.failures
+    assert (f.kind, f.ranks, f.detect_s, f.restored_step) == ("hang", [3], 3.2, 10)
+    assert f.restart_s == pytest.approx(5.5) and f.restore_s == pytest.approx(0.7)
+    assert f.recomputed_steps() == 1
+    assert report.lost_s() == pytest.approx(1.5 + 3.2 + 5.5 + 0.7 + 0.1)
+    text = render(report)
+    assert "1 failure" in text and "restored step 10" in text and "effective training time" in text
