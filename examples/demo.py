@@ -1,15 +1,17 @@
-"""Fault-tolerance demo: 2 ranks under torchrun, a local directory tier, the agent auto-started.
+"""Fault-tolerance demo: 2 ranks under flashckpt-run, a local directory tier, the agent auto-started.
 
     make demo        (or: python examples/demo.py)
 
 1. the reference: 60 steps, undisturbed;
-2. rank 1 is SIGKILLed after step 29; torchrun restarts the workers, which restore the
+2. rank 1 is SIGKILLed after step 29; flashckpt-run restarts the workers, which restore the
    newest step every rank holds from shared memory;
-3. rank 1 and its launcher are SIGKILLed after step 44 and the node's shared memory is lost
+3. rank 1 hangs (SIGSTOP) after step 19; the watchdog notices within its 3 s floor, logs its
+   stacks, kills it, and the workers restart from shared memory;
+4. rank 1 and its launcher are SIGKILLed after step 44 and the node's shared memory is lost
    with them; the job is started again and restores from the local directory the agent
    persisted to.
 
-Both disturbed runs must end with weights identical, bit for bit, to the reference.
+Every disturbed run must end with weights identical, bit for bit, to the reference.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from flashckpt import config
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(job: str, tmp: Path, **env: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "8", str(HERE / "train.py")]  # fmt: skip
+def launch(job: str, tmp: Path, **env: str) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "flashckpt.launcher", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "3", str(HERE / "train.py")]  # fmt: skip
     full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(tmp / job), "OMP_NUM_THREADS": "1",
             "LOGLEVEL": "ERROR", "DEMO_TIERS": f"file://{tmp / 'ckpt'}?keep_last=3", **env}  # fmt: skip
     t0 = time.monotonic()
@@ -60,25 +62,31 @@ def main() -> None:
     tag = os.getpid()
     try:
         print("1) undisturbed run, 60 steps")
-        torchrun(f"demo-ref-{tag}", tmp)
-        print("2) rank 1 SIGKILLed after step 29; torchrun restarts the workers")
-        torchrun(f"demo-crash-{tag}", tmp, FAIL_AT_STEP="29")
-        print("3) rank 1 and its launcher SIGKILLed after step 44; the node's shared memory lost")
+        launch(f"demo-ref-{tag}", tmp)
+        print("2) rank 1 SIGKILLed after step 29; flashckpt-run restarts the workers")
+        launch(f"demo-crash-{tag}", tmp, FAIL_AT_STEP="29")
+        print("3) rank 1 hangs after step 19; the watchdog kills it (FLASHCKPT_HANG_FLOOR=3)")
+        launch(f"demo-hang-{tag}", tmp, HANG_AT_STEP="19", FLASHCKPT_HANG_FLOOR="3")
+        print("4) rank 1 and its launcher SIGKILLed after step 44; the node's shared memory lost")
         job = f"demo-node-{tag}"
-        code, _ = torchrun(job, tmp, FAIL_AT_STEP="44", NODE_LOST="1")
+        code, _ = launch(job, tmp, FAIL_AT_STEP="44", NODE_LOST="1")
         assert code != 0, "the run was meant to fail"
         time.sleep(2)  # the agent finishes persisting what the trainers left in memory
         shutil.rmtree(shm / job, ignore_errors=True)
         print("   shared memory wiped; starting the job again")
-        torchrun(job, tmp, FAIL_AT_STEP="-1")
+        launch(job, tmp, FAIL_AT_STEP="-1")
         ref = (tmp / f"demo-ref-{tag}").read_text()
-        results = {name: (tmp / f"demo-{name}-{tag}").read_text() for name in ("crash", "node")}
+        results = {
+            name: (tmp / f"demo-{name}-{tag}").read_text() for name in ("crash", "hang", "node")
+        }
         bad = [name for name, digest in results.items() if digest != ref]
         if bad:
             raise SystemExit(
                 f"FAILED: the resumed runs {bad} ended with weights that differ from the reference"
             )
-        print("OK: both resumed runs end with weights identical bit for bit to the undisturbed run")
+        print(
+            "OK: every resumed run ends with weights identical bit for bit to the undisturbed run"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

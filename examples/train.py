@@ -1,7 +1,8 @@
 """A DDP training loop with flashckpt: the two added lines are marked.
 
-Run under torchrun. FAIL_AT_STEP / FAIL_RANK make one rank SIGKILL itself on the first
-attempt, so torchrun restarts the workers and they resume from the last snapshot.
+Run under flashckpt-run (or torchrun). FAIL_AT_STEP / FAIL_RANK make one rank SIGKILL itself
+on the first attempt, HANG_AT_STEP makes it SIGSTOP itself (a hang: flashckpt-run's watchdog
+kills it); the launcher restarts the workers and they resume from the last snapshot.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from flashckpt import Checkpointer
 STEPS = int(os.environ.get("STEPS", "60"))
 FAIL_AT = int(os.environ.get("FAIL_AT_STEP", "-1"))
 FAIL_RANK = int(os.environ.get("FAIL_RANK", "1"))
+HANG_AT = int(os.environ.get("HANG_AT_STEP", "-1"))
 NODE_LOST = os.environ.get("NODE_LOST") == "1"
 TIERS = [t for t in os.environ.get("DEMO_TIERS", "").split(",") if t]
 
@@ -30,12 +30,7 @@ TIERS = [t for t in os.environ.get("DEMO_TIERS", "").split(",") if t]
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="    %(message)s")
     logging.getLogger("flashckpt.checkpointer").setLevel(logging.INFO)
-    # Bounded waits turn a hang into an exit, which torchrun answers with a restart: gloo's
-    # connect at init can stall on a loaded machine, and a collective whose peer died never ends.
-    joined = threading.Event()
-    threading.Thread(target=lambda: joined.wait(30) or os._exit(3), daemon=True).start()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    joined.set()
+    dist.init_process_group("gloo")
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
@@ -69,6 +64,9 @@ def main() -> None:
             if NODE_LOST:  # the launcher goes too, as when the whole node is lost
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == HANG_AT and rank == FAIL_RANK and attempt == 0:
+            print(f"[attempt {attempt}] rank {rank} hangs (SIGSTOP) after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     ckpt.close()
     if rank == 0:

@@ -4,6 +4,9 @@ flashckpt list   --job J [--tier URL ...]      steps held in memory and committe
 flashckpt verify --job J --tier URL [--step N] re-read a committed step as a restore would:
                                                every manifest, size and chunk; exit 1 on any
                                                problem, each one reported
+flashckpt report EVENTS.jsonl [...] [--json]   effective training time from the event logs
+                                               of flashckpt-run (one per node): failures,
+                                               detect, restart, restore, recomputed steps
 """
 
 from __future__ import annotations
@@ -127,6 +130,21 @@ def _verify(args: argparse.Namespace) -> int:
     return run_with_tier(url, go)
 
 
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from .events import read_events
+    from .report import render, summarize
+
+    events = [e for path in args.events for e in read_events(path)]
+    if not events:
+        print(f"flashckpt: no events in {', '.join(args.events)}", file=sys.stderr)
+        return 1
+    report = summarize(events)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="flashckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -142,9 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     vf.add_argument("--tier", action="append", required=True, metavar="URL")
     vf.add_argument("--step", type=int, default=None)
     vf.set_defaults(fn=_verify)
+    rp = sub.add_parser("report", help="effective training time from flashckpt-run event logs")
+    rp.add_argument("events", nargs="+", metavar="EVENTS.jsonl",
+                    help="event logs, one per node (<run_dir>/<job>.events.jsonl)")  # fmt: skip
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
+    rp.set_defaults(fn=_report)
     args = p.parse_args(argv)
     try:
-        config.validate_name("job", args.job)
+        if hasattr(args, "job"):
+            config.validate_name("job", args.job)
         sys.exit(args.fn(args))
     except (FlashCkptError, OSError) as exc:  # a tier that cannot be reached, a bad argument
         print(f"flashckpt: {exc}", file=sys.stderr)
