@@ -101,9 +101,10 @@ class NodeWatch(threading.Thread):
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         hangs = self.watchdog.check(workers)
         states = {h.pid: _parent_and_state(h.pid)[1] for h in hangs}
-        # A stopped worker is continued for its stack dump, so the running hung ones (its
-        # peers in the collective it would join) are dumped and killed first.
-        for hang in sorted(hangs, key=lambda h: states[h.pid] == "T"):
+        # A stopped worker first: its dump needs it continued, and it must not die first of
+        # the SIGTERM TorchElastic sends once another worker is killed (a stopped process
+        # with SIGTERM's default action dies at once). Each is killed right after its dump.
+        for hang in sorted(hangs, key=lambda h: states[h.pid] != "T"):
             log.error(
                 "rank %d (pid %d) is hung: no progress for %.1fs in its %s phase at step %s "
                 "(timeout %.1fs); dumping its stacks and killing it so the job restarts",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
+from .heartbeat import heartbeat_path, stacks_path
 from .manifest import Manifest
 from .pidfile import PidFileBusy, lock_pidfile
 from .safe_paths import private_dir
@@ -76,10 +77,13 @@ def unowned(shm_dir: Path, job: str, rank: int) -> Iterator[bool]:
 
 
 def free_rank(shm_dir: Path, job: str, rank: int) -> None:
-    """Remove a rank's slots, closed marker and owner file (the caller holds its owner lock)."""
+    """Remove a rank's slots, closed marker, heartbeat page, stack dump and owner file (the
+    caller holds its owner lock)."""
     for i in range(N_SLOTS):
         slot_path(shm_dir, job, rank, i).unlink(missing_ok=True)
     closed_marker_path(shm_dir, job, rank).unlink(missing_ok=True)
+    heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)
+    stacks_path(shm_dir, job, rank).unlink(missing_ok=True)
     owner_path(shm_dir, job, rank).unlink(missing_ok=True)
 
 

@@ -17,6 +17,7 @@ from flashckpt.events import EventLog, read_events
 from flashckpt.hang import HangPolicy, Watchdog
 from flashckpt.heartbeat import Beat, Heartbeat, Phase, heartbeat_path, read, stacks_path
 from flashckpt.report import render, summarize
+from flashckpt.slots import free_rank
 
 
 def beat(phase: Phase, slowest: float = 0.0) -> Beat:
@@ -122,7 +123,10 @@ def test_the_watchdog_finds_a_stopped_rank_and_dumps_its_stacks(shm_dir):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert stacks_path(shm_dir, "hbstop", 0).exists()  # a killed rank leaves its files
+    assert stacks_path(shm_dir, "hbstop", 0).exists()  # a killed rank leaves its files,
+    free_rank(shm_dir, "hbstop", 0)  # which go with the rest of its files when it is freed
+    assert not stacks_path(shm_dir, "hbstop", 0).exists()
+    assert not heartbeat_path(shm_dir, "hbstop", 0).exists()
 
 
 def test_the_report_splits_lost_time_into_its_parts(tmp_path):

@@ -34,7 +34,10 @@ def test_slots_alternate_and_are_reused(shm_dir):
         steps = sorted(h.step for h in headers(ck))
         assert steps == [4, 5] and all(h.state == SlotState.READY for h in headers(ck))
         assert [os.stat(p).st_ino for p in ck._pair.paths[:2]] == inodes
-        assert len(os.listdir(shm_dir / "alt")) == 3  # two slots and the owner lock
+        assert sorted(os.listdir(shm_dir / "alt")) == [  # two slots, the owner lock, and
+            "rank-0.heartbeat", "rank-0.owner", "rank-0.slot-0", "rank-0.slot-1",
+            "rank-0.stacks",  # the heartbeat page and its stack-dump file (hang detection)
+        ]  # fmt: skip
     assert not (shm_dir / "alt").exists()  # close() frees the memory
 
 
