@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from . import config, cuda, group
+from . import config, cuda, group, heartbeat
 from .agent_client import AgentClient, socket_path
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .events import EventLog
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
-from .heartbeat import Heartbeat, Phase, heartbeat_path, install_optimizer_hook, stacks_path
+from .heartbeat import Heartbeat, Phase
 from .lineage import Lineage, newest
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .safe_paths import write_atomic
@@ -269,19 +269,10 @@ class Checkpointer:
                     self._agent.close()
 
     def _beat(self) -> Heartbeat | None:
-        """This rank's heartbeat page, made on first use once the rank is claimed (its
-        directory exists); without one, saving goes on and only hangs go unnoticed."""
+        """This rank's heartbeat page, made on first use once the rank is claimed."""
         if self._heartbeat is None and not self._no_heartbeat:
-            try:
-                self._heartbeat = Heartbeat(
-                    heartbeat_path(self.shm_dir, self.job, self.rank),
-                    stacks_path(self.shm_dir, self.job, self.rank),
-                )
-                install_optimizer_hook()
-            except (OSError, FlashCkptError) as exc:
-                self._no_heartbeat = True
-                log.warning("rank %d has no heartbeat page (%s); a hang of it goes unnoticed",
-                            self.rank, exc)  # fmt: skip
+            self._heartbeat = heartbeat.open_for_rank(self.shm_dir, self.job, self.rank)
+            self._no_heartbeat = self._heartbeat is None
         return self._heartbeat
 
     def _close_heartbeat(self) -> None:

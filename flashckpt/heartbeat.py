@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import faulthandler
+import logging
 import mmap
 import os
 import signal
@@ -26,7 +27,10 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import FlashCkptError
 from .safe_paths import open_file
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"FCHBEAT1"
 _FMT = struct.Struct("<8sQqIIqQdddd")
@@ -146,6 +150,18 @@ class Heartbeat:
         )  # fmt: skip
         self._seq += 1
         struct.pack_into("<Q", self._mm, 8, self._seq)
+
+
+def open_for_rank(shm_dir: Path, job: str, rank: int) -> Heartbeat | None:
+    """The rank's page, with the optimizer hook installed; None (warned) if it cannot be
+    made: saving goes on, and only a hang of the rank goes unnoticed."""
+    try:
+        hb = Heartbeat(heartbeat_path(shm_dir, job, rank), stacks_path(shm_dir, job, rank))
+        install_optimizer_hook()
+    except (OSError, FlashCkptError) as exc:
+        log.warning("rank %d has no heartbeat page (%s); a hang of it goes unnoticed", rank, exc)
+        return None
+    return hb
 
 
 def read(path: Path) -> Beat | None:
