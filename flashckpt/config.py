@@ -212,8 +212,13 @@ def job_from_command(argv: list[str]) -> str | None:
         return None
     path = Path(os.path.realpath(script))
     args = [a for a in argv[1:] if not _LOCAL_RANK_ARG.fullmatch(a)]
-    digest = hashlib.sha256("\0".join([str(path), *args]).encode("utf-8", "surrogateescape"))
     stem = path.parent.name if path.stem == "__main__" else path.stem  # python -m package
+    return derived_name(stem, [str(path), *args])
+
+
+def derived_name(stem: str, key: list[str]) -> str:
+    """``<stem>-<8 hex digits of a hash of key>``, a valid job name."""
+    digest = hashlib.sha256("\0".join(key).encode("utf-8", "surrogateescape"))
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:64] or "job"
     return f"{stem}-{digest.hexdigest()[:8]}"
 

@@ -16,7 +16,6 @@ It takes exactly torchrun's arguments and runs ``torch.distributed.run`` (TorchE
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -45,14 +44,9 @@ def job_for(args) -> str:
     rdzv = getattr(args, "rdzv_id", "none") or "none"
     if not args.standalone and rdzv != "none":
         return config.validate_name("job", rdzv, "--rdzv-id")
-    script = args.training_script
-    if not args.module and os.path.isfile(script):
-        derived = config.job_from_command([script, *args.training_script_args])
-        if derived:
-            return derived
-    digest = hashlib.sha256("\0".join([script, *args.training_script_args]).encode()).hexdigest()
-    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in script).strip("._-")[:64]
-    return f"{stem or 'job'}-{digest[:8]}"
+    command = [args.training_script, *args.training_script_args]
+    derived = None if args.module else config.job_from_command(command)
+    return derived or config.derived_name(args.training_script, command)  # python -m module
 
 
 class NodeWatch(threading.Thread):
