@@ -66,11 +66,34 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --exit-when-idle: keep retrying a tier that is behind (failing, with "
                         "backoff) for S seconds after the last trainer left before exiting "
                         "(FLASHCKPT_GIVE_UP_AFTER, default 3600)")  # fmt: skip
+    s.add_argument("--while-pid", type=int, default=None, metavar="PID",
+                   help="with --exit-when-idle: not idle while process PID lives (the launcher)")  # fmt: skip
     s.add_argument(
         "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to finish persisting"
     )
-    s.add_argument("--log-format", choices=["text", "json"], default="text")
-    s.add_argument("--log-level", default="INFO")
+    c = sub.add_parser(
+        "controller",
+        help="run a job's controller on its own (large jobs, a Kubernetes Service)",
+        description="Serve the controller that node agents report to. Point every node at it "
+        "with FLASHCKPT_CONTROLLER=HOST:PORT and the same FLASHCKPT_CONTROLLER_TOKEN(_FILE).",
+    )
+    c.add_argument("--bind", default=None, metavar="HOST:PORT",
+                   help="address to serve on (default FLASHCKPT_CONTROLLER_BIND, then "
+                        "FLASHCKPT_CONTROLLER); 0.0.0.0 only if you say so")  # fmt: skip
+    c.add_argument("--events", default=None, metavar="PATH",
+                   help="JSONL event log of detections, kills and global commits "
+                        "(default <run_dir>/controller.events.jsonl)")  # fmt: skip
+    c.add_argument(
+        "--run-dir", default=None, help="default place of the event log (FLASHCKPT_RUN_DIR)"
+    )
+    c.add_argument("--policy", choices=["restart", "notify"], default=None,
+                   help="on a detection kill the failed round's workers (restart, default) or only "
+                        "log it (notify); FLASHCKPT_RESTART_POLICY")  # fmt: skip
+    c.add_argument("--node-timeout", type=float, default=None, metavar="S",
+                   help="a node whose agent is silent this long is lost (FLASHCKPT_NODE_TIMEOUT, default 5)")  # fmt: skip
+    for sp in (s, c):
+        sp.add_argument("--log-format", choices=["text", "json"], default="text")
+        sp.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
 
     handler = logging.StreamHandler(sys.stderr)
@@ -81,9 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
 
-    from .daemon import DEFAULT_GIVE_UP_AFTER, serve
-
     try:
+        if args.cmd == "controller":
+            from .controller import serve_standalone
+
+            asyncio.run(serve_standalone(args.bind, args.events, args.run_dir, args.policy,
+                                         args.node_timeout))  # fmt: skip
+            return
+        from .daemon import DEFAULT_GIVE_UP_AFTER, serve
+
         asyncio.run(
             serve(
                 config.resolve_job(args.job, from_command=False),
@@ -95,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.drain_timeout,
                 args.metrics_addr,
                 config.setting_float("give_up_after", args.give_up_after, DEFAULT_GIVE_UP_AFTER),
+                args.while_pid,
             )
         )
     except FlashCkptError as exc:

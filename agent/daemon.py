@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import uuid
 from pathlib import Path
 
@@ -16,10 +15,11 @@ from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
 from flashckpt import config
 from flashckpt.agent_client import socket_path
-from flashckpt.pidfile import PidFileBusy, lock_pidfile
+from flashckpt.pidfile import PidFileBusy, lock_pidfile, pid_alive
 from flashckpt.safe_paths import private_dir
 
 from .jobs import Job
+from .link import Link
 from .metrics import Metrics
 from .service import AgentService
 
@@ -27,11 +27,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GIVE_UP_AFTER = 3600.0
 """Seconds an idle agent keeps retrying a tier that is behind before it exits anyway."""
-
-
-def node_name() -> str:
-    raw = str(config.setting("node", None, socket.gethostname()))
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in raw)[:64] or "node"
 
 
 def claim(run_dir: Path, job: str) -> int:
@@ -49,17 +44,18 @@ def claim(run_dir: Path, job: str) -> int:
 async def serve(
     job: str, tiers: list[str], shm_dir: Path, run_dir: Path, metrics_port: int | None = None,
     exit_when_idle: float | None = None, drain_timeout: float = 60.0, metrics_addr: str = "127.0.0.1",
-    give_up_after: float = DEFAULT_GIVE_UP_AFTER,
+    give_up_after: float = DEFAULT_GIVE_UP_AFTER, while_pid: int | None = None,
 ) -> None:  # fmt: skip
     """Serve ``job`` until SIGTERM; with ``exit_when_idle``, also exit once no trainer is alive
-    and every tier holds the newest snapshot (a failing tier is retried, with backoff, for
-    ``give_up_after`` seconds first)."""
+    (nor ``while_pid``, the launcher that started it) and every tier holds the newest snapshot
+    (a failing tier is retried, with backoff, for ``give_up_after`` seconds first). Reports
+    the node to the job's controller when a launcher named one (see ``link``)."""
     config.validate_name("job", job)
     sock = socket_path(run_dir, job)  # a path past the unix limit fails before the lock
     lock_fd = claim(run_dir, job)
     sock.unlink(missing_ok=True)
     metrics = Metrics(metrics_port, metrics_addr) if metrics_port is not None else None
-    node = node_name()
+    node = config.node_name()
     service = AgentService(f"{node}-{uuid.uuid4().hex[:8]}", shm_dir, node, metrics, tiers)
     service.jobs[job] = j = Job(job, shm_dir, node, metrics)
     for url in tiers:
@@ -76,6 +72,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    link = asyncio.create_task(Link(j, run_dir, service.agent_id).run(stop), name="controller link")
     idle_since = None
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
@@ -83,7 +80,7 @@ async def serve(
         for jb in service.jobs.values():
             jb.reclaim()
         if exit_when_idle is not None:
-            quiet = all(
+            quiet = not (while_pid and pid_alive(while_pid)) and all(
                 not jb.trainers.alive() and jb.idle(give_up_after) for jb in service.jobs.values()
             )
             idle_since = (idle_since or loop.time()) if quiet else None
@@ -100,6 +97,8 @@ async def serve(
                     "no trainer left and nothing to persist for %.0fs: exiting", exit_when_idle
                 )
                 break
+    stop.set()
+    await link
     log.info("shutting down: draining persistence (up to %.0fs)", drain_timeout)
     await server.stop(grace=2)
     for jb in service.jobs.values():

@@ -76,9 +76,16 @@ class AgentClient:
 
     @classmethod
     def connect(
-        cls, job: str, run_dir: Path, shm_dir: Path, spawn: bool = True, timeout: float = 30
+        cls,
+        job: str,
+        run_dir: Path,
+        shm_dir: Path,
+        spawn: bool = True,
+        timeout: float = 30,
+        extra: tuple[str, ...] = (),
     ) -> AgentClient:
-        """The job's agent on this node; spawned detached if none answers and ``spawn``."""
+        """The job's agent on this node; spawned detached (with ``extra`` arguments) if none
+        answers and ``spawn``."""
         private_dir(run_dir, "run_dir")
         client = cls(job, run_dir)
         if client.listening() and client.ready(0.5):
@@ -90,7 +97,7 @@ class AgentClient:
         logfile = open_file(run_dir / f"{job}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
                "--run-dir", str(run_dir), "--exit-when-idle",
-               str(config.setting_float("exit_when_idle", None, 30.0))]  # fmt: skip
+               str(config.setting_float("exit_when_idle", None, 30.0)), *extra]  # fmt: skip
         try:
             # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
             subprocess.Popen(

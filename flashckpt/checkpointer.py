@@ -425,8 +425,9 @@ class Checkpointer:
             )
         want = step if step is not None else self._last_saved
         source = TierSource(same[0], self.job, self.rank, verify=False)
+        whole = parse_spec(tier).scope.value == "shared"  # there: committed for every rank
         return self._wait_until(
-            lambda: source.steps(self._lineage), want, timeout, source.name, 0.1
+            lambda: source.steps(self._lineage, whole), want, timeout, source.name, 0.1
         )
 
     def _shown_tiers(self) -> list[str]:

@@ -230,6 +230,15 @@ def _once(level: int, msg: str, *args: object) -> None:
         log.log(level, msg, *args)
 
 
+def node_name() -> str:
+    """This node's name in commit markers, events and the controller: FLASHCKPT_NODE, else
+    the host name (characters outside ``[A-Za-z0-9._-]`` become ``-``)."""
+    import socket
+
+    raw = str(setting("node", None, socket.gethostname()))
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in raw)[:64] or "node"
+
+
 def local_world_size() -> int:
     """Ranks of this job on this node as the launcher says (torchrun: LOCAL_WORLD_SIZE); 0 if unknown."""
     try:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
+from . import config
 from .safe_paths import open_file
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def events_path(run_dir: Path, job: str) -> Path:
 class EventLog:
     def __init__(self, path: Path):
         self.path = path
-        self._node = socket.gethostname()
+        self._node = config.node_name()
 
     @classmethod
     def from_env(cls) -> EventLog | None:

@@ -10,7 +10,11 @@ It takes exactly torchrun's arguments and runs ``torch.distributed.run`` (TorchE
   from the command line) and printed, so a rerun resumes;
 - a watchdog reads this node's heartbeat pages, records worker starts and exits in the event
   log, and kills a hung worker after its stacks are logged, so TorchElastic restarts the
-  worker group (and, through the rendezvous, every other node's).
+  worker group (and, through the rendezvous, every other node's);
+- it keeps this node's agent running and, where it can bind the controller's address (the
+  rendezvous host), serves the job's controller: the agents report to it, and on a failed
+  worker or a lost node it has every node's agent kill the failed round's workers, so ranks
+  blocked in a collective with a dead peer are released and every node restarts at once.
 """
 
 from __future__ import annotations
@@ -18,18 +22,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import config
+from . import config, control
+from .agent_client import AgentClient
 from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, read
+from .proc import parent_and_state
+from .safe_paths import private_dir
+
+if TYPE_CHECKING:
+    from .agent.controller import InThread
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +72,7 @@ class NodeWatch(threading.Thread):
         self.watchdog = Watchdog(shm_dir, job, policy)
         self.events, self.interval = events, interval
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
-        self._halt = threading.Event()
+        self._halt = self.halted = threading.Event()
 
     def stop(self) -> None:
         self._halt.set()
@@ -81,7 +93,7 @@ class NodeWatch(threading.Thread):
                 self.events.record("worker_started", rank=rank, worker_pid=pid)
         me = os.getpid()
         for pid, rank in list(self.seen.items()):
-            if _parent_and_state(pid)[0] == me:
+            if parent_and_state(pid)[0] == me:
                 continue
             del self.seen[pid]
             # A worker that closed its Checkpointer removed its page (or marked it closed);
@@ -94,7 +106,7 @@ class NodeWatch(threading.Thread):
                                    phase=beat.phase.name.lower(),
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         hangs = self.watchdog.check(workers)
-        states = {h.pid: _parent_and_state(h.pid)[1] for h in hangs}
+        states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
         # A stopped worker first: its dump needs it continued, and it must not die first of
         # the SIGTERM TorchElastic sends once another worker is killed (a stopped process
         # with SIGTERM's default action dies at once). Each is killed right after its dump.
@@ -128,25 +140,66 @@ class NodeWatch(threading.Thread):
             except ValueError:
                 continue
             beat = read(self.dir / name)
-            if beat is not None and _parent_and_state(beat.pid)[0] == me:
+            if beat is not None and parent_and_state(beat.pid)[0] == me:
                 out[rank] = beat.pid
         return out
 
 
-def _parent_and_state(pid: int) -> tuple[int, str]:
-    """(parent pid, state letter) of a live process; (0, "") if it is gone or a zombie."""
+def keep_agent(job: str, run_dir: Path, shm_dir: Path, halt: threading.Event) -> None:
+    """Keep this node's agent up while the launcher runs (it reports the node to the
+    controller between restarts too); one that exits or crashes is started again."""
+    while not halt.is_set():
+        try:
+            if not AgentClient(job, run_dir).listening():
+                AgentClient.connect(job, run_dir, shm_dir,
+                                    extra=("--while-pid", str(os.getpid()))).close()  # fmt: skip
+        except Exception as exc:  # the launcher goes on without it: training does not need it
+            log.warning("the node agent of job %s cannot be started: %s", job, exc)
+        halt.wait(2.0)
+
+
+def controller_address(args) -> str:
+    """FLASHCKPT_CONTROLLER, else the rendezvous host with the rendezvous port + 1 (any free
+    port on 127.0.0.1 when standalone)."""
+    if os.environ.get("FLASHCKPT_CONTROLLER"):
+        return os.environ["FLASHCKPT_CONTROLLER"]
+    if args.standalone or not args.rdzv_endpoint:
+        return "127.0.0.1:0"
+    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:29400"
+    host, port = control.split_address(endpoint, "--rdzv-endpoint")
+    return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
+
+
+def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThread | None:
+    """Serve the controller here if this host can bind its address, and tell this node's
+    agent where it is; None when this node only reports to it, or runs without one."""
+    from .agent.controller import Controller, InThread
+
+    address = controller_address(args)
+    token = control.token_from_env()
+    if token is None and not args.standalone:
+        log.warning("no FLASHCKPT_CONTROLLER_TOKEN(_FILE): the nodes run without a controller "
+                    "(a lost node is not detected; hangs and exits still are, per node)")  # fmt: skip
+        return None
+    token = token or secrets.token_hex(32)  # standalone: one node, nobody else to agree with
+    tls = (
+        control.Tls.from_env(server=True)
+        if os.environ.get("FLASHCKPT_CONTROLLER_TLS_KEY")
+        else None
+    )
+    bind = os.environ.get("FLASHCKPT_CONTROLLER_BIND") or address
+    served = InThread(Controller(events, control.policy()), bind, token, tls)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("ascii", "replace")
-    except OSError:
-        return 0, ""
-    fields = raw[raw.rfind(")") + 2 :].split()
-    if len(fields) < 2 or fields[0] in ("Z", "X"):
-        return 0, ""
-    try:
-        return int(fields[1]), fields[0]
-    except ValueError:
-        return 0, ""
+        port = served.start_serving()
+        host = control.split_address(address)[0]
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("controller serving on %s (policy %s)", address, served.controller.policy)
+        events.record("controller_started", address=address, policy=served.controller.policy)
+    except RuntimeError:  # in use (another node's launcher, a standalone one) or not ours
+        served = None
+    control.Endpoint(address, token, tls=bool(os.environ.get("FLASHCKPT_CONTROLLER_TLS_CA")
+                                              or tls)).save(run_dir, job)  # fmt: skip
+    return served
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,19 +212,22 @@ def main(argv: list[str] | None = None) -> None:
         job = job_for(args)
         policy = HangPolicy.from_env()
         shm_dir = config.shm_dir()
-        run_dir = config.run_dir()
+        run_dir = private_dir(config.run_dir(), "run_dir")
+        events = EventLog(events_path(run_dir, job))
+        controller = start_controller(args, job, run_dir, events)
     except FlashCkptError as exc:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ["FLASHCKPT_JOB"] = job
-    events = EventLog(events_path(run_dir, job))
     os.environ[EVENTS_ENV] = str(events.path)
     log.info("job %s; event log %s", job, events.path)
     events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
                   hang_policy=policy.__dict__)  # fmt: skip
     watch = NodeWatch(shm_dir, job, events, policy)
     watch.start()
+    threading.Thread(target=keep_agent, args=(job, run_dir, shm_dir, watch.halted), daemon=True,
+                     name="flashckpt-agent-keeper").start()  # fmt: skip
     started = time.monotonic()
     try:
         torchrun.run(args)
@@ -181,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         watch.stop()
+        if controller is not None:
+            controller.stop()
+        control.file_path(run_dir, job).unlink(missing_ok=True)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 

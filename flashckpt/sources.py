@@ -112,13 +112,15 @@ class TierSource:
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials
 
-    def snapshots(self) -> dict[Key, Lineage]:
+    def snapshots(self, whole: bool = False) -> dict[Key, Lineage]:
         """Committed steps that include this rank (a node-local tier holds only its node's),
-        with the branch each belongs to."""
+        or with ``whole`` those committed for every rank of the job, with the branch each
+        belongs to."""
 
         async def go(tier) -> dict[Key, Lineage]:
             listing = await tier_io.list_steps(tier, self.job)
-            return {k: c.lineage for k, c in listing.items() if c and self.rank in c.ranks}
+            return {k: c.lineage for k, c in listing.items()
+                    if c and (c.complete if whole else self.rank in c.ranks)}  # fmt: skip
 
         try:
             return run_with_tier(self.url, go)
@@ -128,8 +130,8 @@ class TierSource:
             log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
             return {}
 
-    def steps(self, lineage: Lineage | None = None) -> set[int]:
-        return steps_of(self.snapshots(), lineage)
+    def steps(self, lineage: Lineage | None = None, whole: bool = False) -> set[int]:
+        return steps_of(self.snapshots(whole), lineage)
 
     def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
         gen, step = key

@@ -1,6 +1,6 @@
 """Regenerate the gRPC Python code from the .proto files in this folder.
 
-python proto/generate.py            # writes agent_pb2.py, agent_pb2_grpc.py, agent_pb2.pyi
+python proto/generate.py            # writes <name>_pb2.py, <name>_pb2_grpc.py, <name>_pb2.pyi
 python proto/generate.py --out DIR  # writes them elsewhere (the staleness test uses this)
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ["agent.proto"]
+PROTOS = ["agent.proto", "controller.proto"]
 
 
 def generate(out: Path) -> list[Path]:

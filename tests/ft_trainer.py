@@ -1,8 +1,13 @@
 """A small deterministic data-parallel job for the launcher tests, faults injected once per job.
 
 Plain user code: ``init_process_group()`` with no watchdog and no store tricks, the two lines
-of flashckpt. ``FT_FAULT=kill|stop``, ``FT_RANK``, ``FT_STEP``: that rank SIGKILLs or
-SIGSTOPs itself right after saving that step, the first time only (a marker in ``FT_MARKS``).
+of flashckpt. ``FT_FAULT``, ``FT_RANK``, ``FT_STEP``: right after saving that step, the first
+time only (a marker in ``FT_MARKS``), that rank
+- ``kill``: SIGKILLs itself; ``stop``: SIGSTOPs itself;
+- ``pause``: waits until the step is committed in every tier of ``FT_TIERS``, writes
+  ``FT_MARKS/paused`` and sleeps (the test then takes its whole node away);
+- ``corrupt``: waits for the same commits, flips the last data byte of the step in its
+  shared-memory slot and in every tier, then SIGKILLs itself.
 Gradients are averaged with one all-reduce per parameter, not DDP: DDP rebuilds its buckets
 after the first step, so a resumed run's first step sums four ranks' gradients in another
 order than an undisturbed run, and the weights would differ in the last bits. Each rank prints ``restored <rank> <step|None>``; rank 0 writes the final weights' sha256 to
@@ -14,13 +19,18 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import struct
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from flashckpt import Checkpointer
+from flashckpt import Checkpointer, layout
+from flashckpt.slot import HEADER_SIZE
+from flashckpt.slots import slot_path
+from flashckpt.sources import run_with_tier
 
 STEPS = int(os.environ.get("FT_STEPS", "30"))
 
@@ -35,6 +45,31 @@ def fault_now(rank: int, step: int) -> str | None:
     except FileExistsError:
         return None
     return kind
+
+
+def flip_last(raw: bytes, end: int) -> bytes:
+    return raw[: end - 1] + bytes([raw[end - 1] ^ 0xFF]) + raw[end:]
+
+
+def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
+    """The last data byte of ``step`` (its newest chunk), flipped in memory and every tier."""
+    for index in range(2):
+        path = slot_path(ckpt.shm_dir, ckpt.job, ckpt.rank, index)
+        raw = path.read_bytes()
+        if struct.unpack_from("<q", raw, 24)[0] == step:  # the header's step
+            data_len = struct.unpack_from("<q", raw, 32)[0]
+            with open(path, "r+b") as f:
+                f.seek(HEADER_SIZE + data_len - 1)
+                f.write(bytes([raw[HEADER_SIZE + data_len - 1] ^ 0xFF]))
+    key = layout.data_key(ckpt.job, step, ckpt.rank, ckpt.generation)
+
+    async def flip(tier) -> None:
+        raw = await tier.get(key)
+        bad = flip_last(raw, len(raw))
+        await tier.put(key, [memoryview(bad)], len(bad))
+
+    for url in tiers:
+        run_with_tier(url, flip)
 
 
 def main() -> None:
@@ -61,10 +96,18 @@ def main() -> None:
         opt.zero_grad()
         ckpt.save(step, state)
         kind = fault_now(rank, step)
-        if kind == "kill":
+        if kind in ("pause", "corrupt"):
+            for tier in tiers:
+                ckpt.wait(step, tier=tier, timeout=60)
+        if kind == "corrupt":
+            corrupt(ckpt, tiers, step)
+        if kind in ("kill", "corrupt"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "pause":
+            (Path(os.environ["FT_MARKS"]) / "paused").touch()
+            time.sleep(3600)
     ckpt.close()
     if rank == 0:
         digest = hashlib.sha256()

@@ -16,18 +16,22 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from faults import poll
 
 from flashckpt.events import events_path, read_events
+from flashckpt.proc import parent_and_state
 
 TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
 NODES, PER_NODE = 2, 2
+TOKEN = "launcher-tests-" + uuid.uuid4().hex
 
 
 def free_port() -> int:
@@ -54,50 +58,120 @@ class Run:
         return out
 
 
-def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),
-            **env: str) -> Run:  # fmt: skip
-    """Two flashckpt-run "nodes" of two workers each (``node_env``: each node's own
-    variables); waits for both to exit."""
-    port, rdzv = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
-    marks = tmp / f"{name}-marks"
-    marks.mkdir()
-    procs, dirs = [], []
-    for node in range(NODES):
-        shm = Path("/dev/shm") / f"flashckpt-test-{rdzv}-n{node}"
-        run_dir = tmp / f"{name}-run{node}"
-        dirs.append((shm, run_dir))
-        full = {**os.environ, "FLASHCKPT_SHM_DIR": str(shm), "FLASHCKPT_RUN_DIR": str(run_dir),
-                "FT_MARKS": str(marks), "FT_DIGEST": str(tmp / f"{name}.digest"),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env, **node_env[node]}  # fmt: skip
+class Cluster:
+    """Two flashckpt-run "nodes" of two workers each, each with its own shared-memory and run
+    directories and node name (``node_env``: each node's own variables), joined by one c10d
+    rendezvous."""
+
+    def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}), **env: str):
+        self.tmp, self.name = tmp, name
+        self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
+        self.marks = tmp / f"{name}-marks"
+        self.marks.mkdir()
+        self.env, self.node_env = env, node_env
+        self.procs: list[subprocess.Popen | None] = [None] * NODES
+        self.logs: list = [None] * NODES
+        self.shm = [Path("/dev/shm") / f"flashckpt-test-{self.job}-n{n}" for n in range(NODES)]
+        self.run_dirs = [tmp / f"{name}-run{n}" for n in range(NODES)]
+        self.starts = [0] * NODES
+
+    def start(self, node: int) -> None:
+        full = {**os.environ, "FLASHCKPT_SHM_DIR": str(self.shm[node]),
+                "FLASHCKPT_RUN_DIR": str(self.run_dirs[node]), "FT_MARKS": str(self.marks),
+                "FT_DIGEST": str(self.tmp / f"{self.name}.digest"), "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "FLASHCKPT_CONTROLLER_TOKEN": TOKEN, "FLASHCKPT_NODE": f"node{node}", **self.env,
+                **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         cmd = [str(LAUNCHER), f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv}",
-               "--max-restarts=3", "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
-        log = open(tmp / f"{name}-node{node}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True, cwd=ROOT), log))  # fmt: skip
-    codes = []
-    try:
-        for proc, _ in procs:
-            try:
-                codes.append(proc.wait(timeout))
-            except subprocess.TimeoutExpired:
-                codes.append(-999)
-    finally:
-        for proc, log in procs:
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+               f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
+               str(TRAINER)]  # fmt: skip
+        self.starts[node] += 1
+        log = open(self.tmp / f"{self.name}-node{node}-{self.starts[node]}.log", "w")  # noqa: SIM115
+        self.logs[node] = log
+        self.procs[node] = subprocess.Popen(cmd, env=full, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, cwd=ROOT)  # fmt: skip
+
+    def node_pids(self, node: int) -> list[int]:
+        """The node's launcher, its workers (own sessions) and its agent (detached)."""
+        proc = self.procs[node]
+        pids = [proc.pid] + descendants(proc.pid) if proc else []
+        pidfile = self.run_dirs[node] / f"{self.job}.pid"
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(pidfile.read_text()))
+        return pids
+
+    def signal_node(self, node: int, sig: int) -> None:
+        for pid in self.node_pids(node):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            log.close()
-        for shm, _ in dirs:
-            shutil.rmtree(shm, ignore_errors=True)
-    logs = [(tmp / f"{name}-node{n}.log").read_text() for n in range(NODES)]
-    events = []
-    for _, run_dir in dirs:
-        path = events_path(run_dir, rdzv)
-        events.append(read_events(path) if path.exists() else [])
-    digest_file = tmp / f"{name}.digest"
-    return Run(codes, logs, events, digest_file.read_text() if digest_file.exists() else None)
+                os.kill(pid, sig)
+
+    def lose(self, node: int) -> None:
+        """The node is gone for good: every process killed, its memory and disks wiped."""
+        self.signal_node(node, signal.SIGKILL)
+        self.procs[node].wait()
+        self.logs[node].close()
+        for path in (self.shm[node], self.run_dirs[node], self.tmp / f"{self.name}-nvme{node}"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def events(self, node: int) -> list[dict]:
+        path = events_path(self.run_dirs[node], self.job)
+        return read_events(path) if path.exists() else []
+
+    def finish(self, timeout: float = 240) -> Run:
+        codes = []
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                try:
+                    codes.append(proc.wait(max(1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(-999)
+        finally:
+            self.close()
+        logs = []
+        for n in range(NODES):
+            logs.append("".join((self.tmp / f"{self.name}-node{n}-{i}.log").read_text()
+                                for i in range(1, self.starts[n] + 1)))  # fmt: skip
+        digest_file = self.tmp / f"{self.name}.digest"
+        digest = digest_file.read_text() if digest_file.exists() else None
+        return Run(codes, logs, [self.events(n) for n in range(NODES)], digest)
+
+    def close(self) -> None:
+        for n in range(NODES):
+            if self.procs[n] is not None:
+                self.signal_node(n, signal.SIGKILL)
+                self.procs[n].wait()
+            if self.logs[n] is not None:
+                self.logs[n].close()
+            shutil.rmtree(self.shm[n], ignore_errors=True)
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = parent_and_state(int(entry))[0]
+            children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            out.append(kid)
+            todo.append(kid)
+    return out
+
+
+def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),
+            **env: str) -> Run:  # fmt: skip
+    """Both nodes from start to end; waits for both to exit."""
+    cluster = Cluster(tmp, name, node_env, **env)
+    try:
+        for node in range(NODES):
+            cluster.start(node)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster.finish(timeout)
 
 
 def explain(run: Run) -> str:
@@ -140,4 +214,67 @@ def test_a_hung_rank_is_detected_within_its_floor_and_the_job_resumes(tmp_path, 
     assert stacks and "ft_trainer.py" in stacks[0]["stacks"], stacks
     resumed = {s for _, s in run.restored() if s != "None"}
     assert len(resumed) == 1 and int(next(iter(resumed))) >= 10, explain(run)
+    assert run.digest == reference
+
+
+def tier_urls(tmp: Path, name: str, node: int, s3: str) -> str:
+    """Node ``node``'s tiers, fastest first: its own NVMe directory, the shared PFS, S3."""
+    return ",".join([f"file://{tmp / f'{name}-nvme{node}'}", f"pfs://{tmp / f'{name}-pfs'}", s3])
+
+
+def restores(events: list[dict]) -> dict[int, dict]:
+    """The last ``restored`` event of each rank that resumed a step."""
+    return {e["rank"]: e for e in events if e["kind"] == "restored" and e["step"] is not None}
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_detected_and_its_fresh_replacement_restores_from_shared_tiers(
+    tmp_path, reference, s3_server, s3_bucket
+):
+    s3 = f"s3://{s3_bucket}/ckpt?endpoint_url={s3_server.endpoint_url}"
+    env = ({"FT_TIERS": tier_urls(tmp_path, "lost", n, s3)} for n in range(NODES))
+    cluster = Cluster(tmp_path, "lost", tuple(env), FT_FAULT="pause", FT_RANK="2", FT_STEP="12",
+                      FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
+    try:
+        cluster.start(0)  # first: it hosts the rendezvous store and the controller
+        assert poll(lambda: (cluster.run_dirs[0] / f"{cluster.job}.controller").exists(), 60)
+        cluster.start(1)
+        # Rank 2 (node 1) saved step 12, saw it committed in every tier, and paused; then the
+        # whole node vanishes: nothing answers, no socket closes.
+        assert poll(lambda: (cluster.marks / "paused").exists(), 180), cluster.finish(1)
+        cluster.signal_node(1, signal.SIGSTOP)
+        vanished = time.monotonic()
+        assert poll(lambda: any(e["kind"] == "node_lost" for e in cluster.events(0)), 30)
+        detected = time.monotonic() - vanished
+        cluster.lose(1)
+        cluster.start(1)  # a fresh machine in its place: empty memory and NVMe
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0], explain(run)
+    assert detected <= 3 + 2, detected
+    lost = next(e for e in run.events[0] if e["kind"] == "node_lost")
+    assert lost["action"] == "kill" and len(lost["ordered"].get("node0", [])) == 2, (
+        lost
+    )
+    kept, fresh = restores(run.events[0]), restores(run.events[1])
+    assert len(kept) == len(fresh) == PER_NODE, explain(run)
+    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
+    assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
+    assert all(e["source"].split(":")[0] in ("pfs", "s3") for e in fresh.values()), fresh
+    assert run.digest == reference
+
+
+@pytest.mark.slow
+def test_a_ranks_newest_step_corrupt_everywhere_sends_every_rank_to_the_step_before(
+    tmp_path, reference, s3_server, s3_bucket
+):
+    s3 = f"s3://{s3_bucket}/ckpt?endpoint_url={s3_server.endpoint_url}"
+    env = tuple({"FT_TIERS": tier_urls(tmp_path, "bad", n, s3)} for n in range(NODES))
+    run = run_job(tmp_path, "bad", node_env=env, FT_FAULT="corrupt", FT_RANK="3", FT_STEP="9")
+    assert run.codes == [0, 0], explain(run)
+    resumed = {**restores(run.events[0]), **restores(run.events[1])}
+    assert sorted(resumed) == list(range(NODES * PER_NODE)), explain(run)
+    assert {e["step"] for e in resumed.values()} == {8}, resumed
     assert run.digest == reference

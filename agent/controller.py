@@ -1,0 +1,333 @@
+"""The job's controller: it hears every node agent, notices failed workers and lost nodes, and
+has the agents kill the failed round's workers so that every node restarts together.
+
+One per job, embedded in the ``flashckpt-run`` that can bind the controller's address (the
+rendezvous host), or run on its own with ``flashckpt-agent controller``. It holds no state of
+its own: everything comes from the agents' reports, so a restarted controller knows the job
+again after one heartbeat, and training never waits on it.
+
+Which workers a detection kills: those that started before the failure. The rendezvous starts
+a new round only once every old worker is gone, so a worker that started after the failure is
+already the restarted job and is left alone; times are converted to the controller's clock
+from the ages the agents report, so node clocks never have to agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from flashckpt.proto import controller_pb2 as pb
+from flashckpt.proto import controller_pb2_grpc as pb_grpc
+
+from flashckpt import config
+from flashckpt.events import EventLog
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODE_TIMEOUT = 5.0
+DEFAULT_HEARTBEAT = 1.0
+_KEPT_DETECTIONS = 100
+
+
+@dataclass
+class Seen:
+    """A worker as last reported, its start time on the controller's clock."""
+
+    worker: pb.Worker
+    started: float
+
+
+@dataclass
+class Node:
+    agent_id: str
+    last_seen: float
+    workers: dict[int, Seen] = field(default_factory=dict)  # pid -> worker
+    tiers: list[pb.TierCommit] = field(default_factory=list)
+    ranks: frozenset[int] = frozenset()
+    world_size: int = 0
+    lost: bool = False
+    kill: set[int] = field(default_factory=set)  # pids ordered killed, not yet gone
+
+    def running(self) -> bool:
+        return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
+
+
+@dataclass
+class JobState:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    handled: set[tuple[str, int]] = field(default_factory=set)  # (node, pid) of failures seen
+    # Workers that started before this failed with the round it ended: their deaths are its
+    # consequences (killed by us, by the launcher, or by a broken collective), not new failures.
+    round_failed_at: float = float("-inf")
+    detections: list[tuple[float, pb.Detection]] = field(default_factory=list)
+    commits: dict[str, tuple[int, int]] = field(default_factory=dict)  # url -> (gen, step)
+
+
+class Controller:
+    """The decisions, apart from gRPC: fed reports and clock ticks, it orders kills."""
+
+    def __init__(self, events: EventLog | None = None, policy: str = "restart",
+                 node_timeout: float | None = None, heartbeat: float | None = None):  # fmt: skip
+        self.events, self.policy = events, policy
+        self.node_timeout = config.setting_float("node_timeout", node_timeout,
+                                                 DEFAULT_NODE_TIMEOUT, lo=0.1)  # fmt: skip
+        self.heartbeat = config.setting_float("heartbeat_interval", heartbeat, DEFAULT_HEARTBEAT,
+                                              lo=0.05)  # fmt: skip
+        self.jobs: dict[str, JobState] = {}
+
+    def report(self, r: pb.NodeReport, now: float | None = None) -> pb.ReportReply:
+        now = time.monotonic() if now is None else now
+        job = self.jobs.setdefault(r.job, JobState())
+        node = job.nodes.get(r.node)
+        if node is None or node.agent_id != r.agent_id:
+            if node is not None and node.lost:
+                self._record("node_back", job=r.job, node=r.node, agent_id=r.agent_id)
+            node = job.nodes[r.node] = Node(r.agent_id, now, kill=node.kill if node else set())
+        node.last_seen, node.lost = now, False
+        node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
+        node.tiers, node.ranks, node.world_size = list(r.tiers), frozenset(r.ranks), r.world_size
+        node.kill &= {pid for pid, s in node.workers.items() if s.worker.alive}
+        dead = [w for w in r.workers if not w.alive and (r.node, w.pid) not in job.handled]
+        for w in sorted(dead, key=lambda w: -w.silent_s):  # the first to go first
+            job.handled.add((r.node, w.pid))
+            if now - w.age_s < job.round_failed_at:
+                continue  # it went down with a round that already failed
+            self._detect(r.job, job, "worker_failed", r.node, w.rank, now - w.silent_s,
+                         pid=w.pid, step=w.step, phase=w.phase)  # fmt: skip
+        self._update_commits(r.job, job)
+        return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat)
+
+    def tick(self, now: float | None = None) -> None:
+        """Flag nodes whose agent went silent while their workers ran."""
+        now = time.monotonic() if now is None else now
+        for name, job in self.jobs.items():
+            for node_name, node in job.nodes.items():
+                if node.lost or now - node.last_seen <= self.node_timeout or not node.running():
+                    continue
+                node.lost = True
+                if node.last_seen < job.round_failed_at:
+                    continue  # its workers were already ordered killed with a failed round
+                self._detect(name, job, "node_lost", node_name, -1, node.last_seen,
+                             silent_s=round(now - node.last_seen, 3))  # fmt: skip
+
+    def _detect(self, name: str, job: JobState, kind: str, node: str, rank: int,
+                failed_at: float, **detail: object) -> None:  # fmt: skip
+        action = "kill" if self.policy == "restart" else "notify"
+        job.round_failed_at = max(job.round_failed_at, failed_at)
+        job.detections.append((time.monotonic(), pb.Detection(kind=kind, node=node, rank=rank,
+                                                              action=action)))  # fmt: skip
+        del job.detections[:-_KEPT_DETECTIONS]
+        ordered = {}
+        if action == "kill":
+            for node_name, n in job.nodes.items():
+                doomed = {pid for pid, s in n.workers.items()
+                          if s.worker.alive and s.worker.phase != "closed" and s.started < failed_at}  # fmt: skip
+                if doomed - n.kill:
+                    n.kill |= doomed
+                    ordered[node_name] = sorted(doomed)
+        log.error("job %s: %s on node %s%s; %s", name, kind.replace("_", " "), node,
+                  f" (rank {rank})" if rank >= 0 else "",
+                  f"killing the workers of the failed round: {ordered}" if ordered
+                  else "nothing left to kill" if action == "kill" else "policy notify: no action")  # fmt: skip
+        self._record(kind, job=name, failed_node=node, rank=rank, action=action,
+                     ordered=ordered, **detail)  # fmt: skip
+
+    def _update_commits(self, name: str, job: JobState) -> None:
+        """A tier's step is committed globally once the nodes reporting it cover the world."""
+        by_url: dict[str, list[tuple[Node, pb.TierCommit]]] = {}
+        for n in job.nodes.values():
+            for t in n.tiers:
+                by_url.setdefault(t.url, []).append((n, t))
+        for url, held in by_url.items():
+            world = max(n.world_size for n, _ in held)
+            covered = frozenset().union(*(n.ranks for n, _ in held))
+            if world <= 0 or len(covered) < world or any(t.step < 0 for _, t in held):
+                continue
+            step = min((t.generation, t.step) for _, t in held)
+            if job.commits.get(url, (-1, -1)) < step:
+                job.commits[url] = step
+                self._record("global_commit", job=name, tier=url, step=step[1],
+                             generation=step[0])  # fmt: skip
+
+    def status(self, name: str, now: float | None = None) -> pb.JobStatusReply:
+        now = time.monotonic() if now is None else now
+        job = self.jobs.get(name, JobState())
+        nodes = [
+            pb.NodeStatus(node=k, agent_id=n.agent_id, last_seen_s=now - n.last_seen,
+                          lost=n.lost, workers=[s.worker for s in n.workers.values()])
+            for k, n in sorted(job.nodes.items())
+        ]  # fmt: skip
+        commits = [pb.GlobalCommit(url=u, step=s, generation=g)
+                   for u, (g, s) in sorted(job.commits.items())]  # fmt: skip
+        detections = []
+        for at, d in job.detections:
+            shown = pb.Detection()
+            shown.CopyFrom(d)
+            shown.age_s = now - at
+            detections.append(shown)
+        return pb.JobStatusReply(policy=self.policy, nodes=nodes, commits=commits,
+                                 detections=detections)  # fmt: skip
+
+    def _record(self, kind: str, **fields: object) -> None:
+        if self.events is not None:
+            self.events.record(kind, **fields)
+
+
+class ControllerService(pb_grpc.ControllerServicer):
+    def __init__(self, controller: Controller):
+        self.c = controller
+
+    async def Report(self, request, context):
+        try:
+            config.validate_name("job", request.job)
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return self.c.report(request)
+
+    async def JobStatus(self, request, context):
+        return self.c.status(request.job)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not carry the job's token."""
+
+    def __init__(self, token: str):
+        self._want = f"Bearer {token}".encode()
+
+        async def deny(request, context):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing controller token: give every node the same "
+                "FLASHCKPT_CONTROLLER_TOKEN (or _TOKEN_FILE)",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        for key, value in details.invocation_metadata or ():
+            got = value.encode() if isinstance(value, str) else value
+            if key == "authorization" and hmac.compare_digest(got, self._want):
+                return await continuation(details)
+        return self._deny
+
+
+async def start(
+    controller: Controller, bind: str, token: str, tls=None
+) -> tuple[grpc.aio.Server, int]:
+    """Serve ``controller`` on ``bind`` (``host:port``; port 0: any). Returns the server and
+    its port; raises RuntimeError if the address cannot be bound (in use, or not this host's)."""
+    # No SO_REUSEPORT: a second controller on the same address must fail to bind, not share it.
+    server = grpc.aio.server(interceptors=[TokenAuth(token)], options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ControllerServicer_to_server(ControllerService(controller), server)
+    if tls is not None:
+        port = server.add_secure_port(bind, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(bind)
+    if not port:
+        raise RuntimeError(f"cannot bind {bind}")
+    await server.start()
+    return server, port
+
+
+async def run(controller: Controller, server: grpc.aio.Server, stop: asyncio.Event) -> None:
+    """Tick the lost-node detector until ``stop``; then stop serving."""
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=min(0.25, controller.node_timeout / 4))
+        controller.tick()
+    await server.stop(grace=1)
+
+
+class InThread(threading.Thread):
+    """A controller served from its own event loop on a thread of the caller (the launcher)."""
+
+    def __init__(self, controller: Controller, bind: str, token: str, tls=None):
+        super().__init__(name="flashckpt-controller", daemon=True)
+        self.controller, self.bind, self.token, self.tls = controller, bind, token, tls
+        self.port = 0
+        self.error: Exception | None = None
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._halt: asyncio.Event | None = None
+
+    def start_serving(self, timeout: float = 10) -> int:
+        """Start; the bound port. RuntimeError if the address cannot be bound here."""
+        self.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the controller did not start on {self.bind} in {timeout}s")
+        if self.error is not None:
+            raise RuntimeError(str(self.error))
+        return self.port
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop, self._halt = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            server, self.port = await start(self.controller, self.bind, self.token, self.tls)
+        except Exception as exc:
+            self.error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        await run(self.controller, server, self._halt)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._halt is not None and self.is_alive():
+            with contextlib.suppress(RuntimeError):  # its loop already ended
+                self._loop.call_soon_threadsafe(self._halt.set)
+        self.join(5)
+
+
+async def serve_standalone(bind: str | None, events: str | None, run_dir: str | None,
+                           policy: str | None, node_timeout: float | None) -> None:  # fmt: skip
+    """``flashckpt-agent controller``: serve until SIGTERM or SIGINT."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from flashckpt import control
+    from flashckpt.errors import ConfigError
+
+    bind = (
+        bind
+        or os.environ.get("FLASHCKPT_CONTROLLER_BIND")
+        or os.environ.get("FLASHCKPT_CONTROLLER")
+    )
+    if not bind:
+        raise ConfigError(
+            "give the controller an address: --bind HOST:PORT (or FLASHCKPT_CONTROLLER)"
+        )
+    control.split_address(bind, "--bind")
+    token = control.token_from_env()
+    if token is None:
+        raise ConfigError(
+            "the controller needs a token that every node's agent presents: set "
+            "FLASHCKPT_CONTROLLER_TOKEN_FILE (a file only you can read) or FLASHCKPT_CONTROLLER_TOKEN"
+        )
+    if policy is not None:
+        os.environ["FLASHCKPT_RESTART_POLICY"] = policy
+    path = Path(events) if events else config.run_dir(run_dir) / "controller.events.jsonl"
+    controller = Controller(EventLog(path), control.policy(), node_timeout)
+    tls = control.Tls.from_env(server=True)
+    try:
+        server, port = await start(controller, bind, token, tls)
+    except RuntimeError as exc:
+        raise ConfigError(f"the controller cannot serve on {bind}: {exc}") from None
+    host = control.split_address(bind, "--bind")[0]
+    log.info("controller serving on %s:%d (%s, policy %s, node timeout %.1fs); events in %s",
+             host, port, "TLS" if tls else "no TLS", controller.policy, controller.node_timeout,
+             path)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run(controller, server, stop)

@@ -1,0 +1,149 @@
+"""The node agent's side of the controller: report this node every heartbeat, carry out kills.
+
+Each round reads the job's heartbeat pages in shared memory (which workers run here, at which
+step and phase, and which died without closing) and the tiers' last commits, sends them to
+the controller, and terminates the workers the answer names: SIGTERM, then SIGKILL after a
+grace period; a stopped process gets SIGKILL at once (SIGTERM would wait for it to continue).
+The controller is found through ``<run_dir>/<job>.controller`` each round, so an agent that
+outlived one launch follows the next. A controller that is down or refuses the token costs
+nothing but a warning: training never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from flashckpt.proto import controller_pb2 as pb
+from flashckpt.proto import controller_pb2_grpc as pb_grpc
+from flashckpt.storage_tiers.registry import redact
+
+from flashckpt import config
+from flashckpt.control import Endpoint
+from flashckpt.heartbeat import read
+from flashckpt.proc import parent_and_state
+
+from .jobs import Job
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KILL_GRACE = 5.0
+_PAGE = ".heartbeat"
+
+
+def workers(shm_dir: Path, job: str) -> list[pb.Worker]:
+    """The job's workers on this node, from their heartbeat pages."""
+    now = time.monotonic()
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(shm_dir / job) if n.endswith(_PAGE))
+    except OSError:
+        return out
+    for name in names:
+        try:
+            rank = int(name[len("rank-") : -len(_PAGE)])
+        except ValueError:
+            continue
+        beat = read(shm_dir / job / name)
+        if beat is None:
+            continue
+        phase = beat.phase.name.lower()
+        out.append(pb.Worker(
+            rank=rank, pid=beat.pid, phase=phase, step=-1 if beat.step is None else beat.step,
+            silent_s=max(0.0, now - beat.updated_at), age_s=max(0.0, now - beat.started_at),
+            alive=phase == "closed" or parent_and_state(beat.pid)[1] != "",
+        ))  # fmt: skip
+    return out
+
+
+class Link:
+    def __init__(self, job: Job, run_dir: Path, agent_id: str, kill_grace: float | None = None):
+        self.job, self.run_dir, self.agent_id = job, run_dir, agent_id
+        self.kill_grace = config.setting_float("kill_grace", kill_grace, DEFAULT_KILL_GRACE)
+        self.interval = 1.0
+        self._endpoint: Endpoint | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._killing: dict[int, asyncio.Task] = {}
+        self._warned = ""
+
+    def report(self) -> pb.NodeReport:
+        j = self.job
+        tiers = [
+            pb.TierCommit(url=redact(w.state.url), shared=w.state.scope == "shared",
+                          step=w.state.last_committed[1], generation=w.state.last_committed[0])
+            for w in j.workers.values()
+        ]  # fmt: skip
+        return pb.NodeReport(
+            job=j.name, node=j.node, agent_id=self.agent_id, world_size=j.trainers.world_size,
+            workers=workers(j.shm_dir, j.name), tiers=tiers, ranks=sorted(j.trainers.pids),
+        )  # fmt: skip
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.once()
+            except Exception:  # the link must never take the agent down
+                log.exception("controller report failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.interval)
+        await self._close()
+
+    async def once(self) -> None:
+        endpoint = Endpoint.load(self.run_dir, self.job.name)
+        if endpoint != self._endpoint:
+            await self._close()
+            self._endpoint = endpoint
+            if endpoint is not None:
+                self._channel = endpoint.channel()
+                log.info("job %s: reporting to the controller at %s", self.job.name,
+                         endpoint.address)  # fmt: skip
+        if self._channel is None or endpoint is None:
+            return
+        try:
+            reply = await pb_grpc.ControllerStub(self._channel).Report(
+                self.report(), metadata=endpoint.metadata(), timeout=max(2.0, self.interval)
+            )
+        except grpc.aio.AioRpcError as exc:
+            why = f"{exc.code().name}: {exc.details()}"
+            if why != self._warned:  # once per new reason, not every heartbeat
+                log.warning(
+                    "the controller at %s does not take reports (%s)", endpoint.address, why
+                )
+                self._warned = why
+            return
+        self._warned = ""
+        if reply.heartbeat_s > 0:
+            self.interval = min(reply.heartbeat_s, 30.0)
+        for pid in reply.kill_pids:
+            if pid not in self._killing or self._killing[pid].done():
+                self._killing[pid] = asyncio.create_task(self.terminate(pid))
+
+    async def terminate(self, pid: int) -> None:
+        """SIGTERM ``pid`` if it is one of the job's workers here, SIGKILL after the grace
+        period (at once if it is stopped)."""
+        if pid not in {w.pid for w in workers(self.job.shm_dir, self.job.name) if w.alive}:
+            return  # gone already, or not a worker of this job: never signal anything else
+        stopped = parent_and_state(pid)[1] == "T"
+        log.warning("job %s: the controller ordered worker %d killed (%s)", self.job.name, pid,
+                    "stopped: SIGKILL" if stopped else "SIGTERM")  # fmt: skip
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL if stopped else signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_grace
+        while parent_and_state(pid)[1] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if parent_and_state(pid)[1]:
+            log.warning("job %s: worker %d outlived SIGTERM by %.1fs: SIGKILL", self.job.name,
+                        pid, self.kill_grace)  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def _close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Worker(_message.Message):
+    __slots__ = ("rank", "pid", "phase", "step", "silent_s", "age_s", "alive")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    phase: str
+    step: int
+    silent_s: float
+    age_s: float
+    alive: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., silent_s: _Optional[float] = ..., age_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class TierCommit(_message.Message):
+    __slots__ = ("url", "shared", "step", "generation")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    shared: bool
+    step: int
+    generation: int
+    def __init__(self, url: _Optional[str] = ..., shared: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class NodeReport(_message.Message):
+    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    agent_id: str
+    world_size: int
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierCommit]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("kill_pids", "heartbeat_s")
+    KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    kill_pids: _containers.RepeatedScalarFieldContainer[int]
+    heartbeat_s: float
+    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+
+class JobStatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node", "agent_id", "last_seen_s", "lost", "workers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    agent_id: str
+    last_seen_s: float
+    lost: bool
+    workers: _containers.RepeatedCompositeFieldContainer[Worker]
+    def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., lost: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+
+class GlobalCommit(_message.Message):
+    __slots__ = ("url", "step", "generation")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    step: int
+    generation: int
+    def __init__(self, url: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Detection(_message.Message):
+    __slots__ = ("kind", "node", "rank", "age_s", "action")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    node: str
+    rank: int
+    age_s: float
+    action: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., age_s: _Optional[float] = ..., action: _Optional[str] = ...) -> None: ...
+
+class JobStatusReply(_message.Message):
+    __slots__ = ("policy", "nodes", "commits", "detections")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    DETECTIONS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    commits: _containers.RepeatedCompositeFieldContainer[GlobalCommit]
+    detections: _containers.RepeatedCompositeFieldContainer[Detection]
+    def __init__(self, policy: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[GlobalCommit, _Mapping]]] = ..., detections: _Optional[_Iterable[_Union[Detection, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,320 @@
+"""The job's controller: its decisions, its token and TLS, and a real agent carrying out its
+kill orders on real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import ROOT
+from faults import is_dead, poll
+from flashckpt.agent.controller import Controller, InThread
+from flashckpt.proto import controller_pb2 as pb
+from flashckpt.proto import controller_pb2_grpc as pb_grpc
+
+from flashckpt import control
+from flashckpt.errors import ConfigError
+from flashckpt.events import EventLog, read_events
+
+TOKEN = "t" * 32
+JOB = "ctl"
+
+
+def worker(rank: int, pid: int, age: float, alive: bool = True, silent: float = 0.1,
+           phase: str = "train", step: int = 5) -> pb.Worker:  # fmt: skip
+    return pb.Worker(rank=rank, pid=pid, phase=phase, step=step, silent_s=silent, age_s=age,
+                     alive=alive)  # fmt: skip
+
+
+def report(node: str, workers: list[pb.Worker], agent: str = "", tiers=(), ranks=(),
+           world: int = 4) -> pb.NodeReport:  # fmt: skip
+    return pb.NodeReport(job=JOB, node=node, agent_id=agent or f"{node}-a", world_size=world,
+                         workers=workers, tiers=list(tiers), ranks=list(ranks))  # fmt: skip
+
+
+@pytest.fixture
+def events(tmp_path) -> EventLog:
+    return EventLog(tmp_path / "events.jsonl")
+
+
+def kinds(log: EventLog) -> list[str]:
+    return [e["kind"] for e in read_events(log.path)] if log.path.exists() else []
+
+
+# ---- decisions --------------------------------------------------------------------------
+
+
+def test_a_failed_worker_has_every_node_kill_the_workers_of_its_round_only(events):
+    c = Controller(events, node_timeout=5, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60), worker(1, 101, 60)]), now=100)
+    c.report(report("b", [worker(2, 200, 60), worker(3, 201, 60)]), now=100)
+    # b's rank 3 died 0.5 s before this report
+    reply = c.report(report("b", [worker(2, 200, 61), worker(3, 201, 61, alive=False,
+                                                             silent=0.5)]), now=101)  # fmt: skip
+    assert list(reply.kill_pids) == [200]
+    assert list(c.report(report("a", [worker(0, 100, 61), worker(1, 101, 61)]),
+                         now=101.2).kill_pids) == [100, 101]  # fmt: skip
+    assert kinds(events) == ["worker_failed"]
+    detection = read_events(events.path)[0]
+    assert detection["failed_node"] == "b" and detection["rank"] == 3
+    assert detection["ordered"] == {"a": [100, 101], "b": [200]}
+    # The killed ones die, TorchElastic starts a new round: its workers are never ordered
+    # killed, and the old round's deaths are not new failures.
+    a = c.report(report("a", [worker(0, 100, 62, alive=False, silent=1), worker(1, 110, 0.5)]),
+                 now=102)  # fmt: skip
+    assert list(a.kill_pids) == []
+    b = c.report(report("b", [worker(2, 210, 0.4), worker(3, 211, 0.4)]), now=102)
+    assert list(b.kill_pids) == []
+    assert kinds(events) == ["worker_failed"]
+    # A failure of the new round is a new detection, and kills the new round.
+    b = c.report(report("b", [worker(2, 210, 5), worker(3, 211, 5, alive=False, silent=0.2)]),
+                 now=107)  # fmt: skip
+    assert list(b.kill_pids) == [210]
+    assert kinds(events) == ["worker_failed", "worker_failed"]
+
+
+def test_a_node_whose_agent_goes_silent_is_lost_and_the_others_are_killed(events):
+    c = Controller(events, node_timeout=3, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.report(report("a", [worker(0, 100, 62)]), now=102)
+    c.tick(now=103)
+    assert kinds(events) == []  # b silent 3 s: not yet past its timeout
+    c.tick(now=103.5)
+    assert kinds(events) == ["node_lost"]
+    lost = read_events(events.path)[0]
+    assert lost["failed_node"] == "b" and lost["silent_s"] == pytest.approx(3.5)
+    assert list(c.report(report("a", [worker(0, 100, 64)]), now=104).kill_pids) == [100]
+    c.report(report("a", [worker(0, 110, 1)]), now=109)
+    c.tick(now=110)
+    assert kinds(events) == ["node_lost"]  # once per loss
+    c.report(report("b", [worker(1, 300, 1)], agent="b-new"), now=111)
+    assert kinds(events) == ["node_lost", "node_back"]
+    status = c.status(JOB, now=111)
+    assert [(n.node, n.lost) for n in status.nodes] == [("a", False), ("b", False)]
+    assert [(d.kind, d.node, d.action) for d in status.detections] == [("node_lost", "b", "kill")]
+
+
+def test_a_node_with_no_running_worker_is_not_lost_when_its_agent_leaves(events):
+    c = Controller(events, node_timeout=1)
+    c.report(report("a", [worker(0, 100, 60, phase="closed")]), now=100)
+    c.tick(now=200)
+    assert kinds(events) == []
+
+
+def test_policy_notify_records_detections_and_kills_nothing(events):
+    c = Controller(events, policy="notify", node_timeout=5)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    reply = c.report(report("b", [worker(1, 200, 60, alive=False)]), now=100)
+    assert list(reply.kill_pids) == []
+    assert list(c.report(report("a", [worker(0, 100, 61)]), now=101).kill_pids) == []
+    assert read_events(events.path)[0]["action"] == "notify"
+
+
+def test_a_global_commit_needs_every_rank_of_the_job(events):
+    c = Controller(events)
+
+    def tier(step: int) -> pb.TierCommit:
+        return pb.TierCommit(url="pfs:///ckpt", shared=True, step=step, generation=0)
+
+    c.report(report("a", [], tiers=[tier(7)], ranks=[0, 1]), now=1)
+    assert list(c.status(JOB).commits) == []  # ranks 2 and 3 have not reported
+    c.report(report("b", [], tiers=[tier(5)], ranks=[2, 3]), now=1)
+    assert [(g.url, g.step) for g in c.status(JOB).commits] == [("pfs:///ckpt", 5)]
+    c.report(report("b", [], tiers=[tier(7)], ranks=[2, 3]), now=2)
+    assert [(g.url, g.step) for g in c.status(JOB).commits] == [("pfs:///ckpt", 7)]
+    commits = [e for e in read_events(events.path) if e["kind"] == "global_commit"]
+    assert [(e["tier"], e["step"]) for e in commits] == [("pfs:///ckpt", 5), ("pfs:///ckpt", 7)]
+
+
+def test_the_controller_state_is_rebuilt_from_reports(events):
+    """A restarted controller learns the job from the next reports: a failure that is still
+    on a page is detected, and only workers older than it are killed."""
+    c = Controller(events)
+    c.report(report("a", [worker(0, 100, 60), worker(1, 101, 0.3)]), now=50)
+    reply = c.report(report("b", [worker(2, 200, 60, alive=False, silent=10)]), now=50)
+    assert list(reply.kill_pids) == []
+    assert read_events(events.path)[0]["ordered"] == {"a": [100]}
+
+
+# ---- gRPC: token, TLS, binding ------------------------------------------------------------
+
+
+def call(address: str, token: str, tls: control.Tls | None = None) -> pb.ReportReply:
+    async def go() -> pb.ReportReply:
+        if tls is None:
+            channel = grpc.aio.insecure_channel(address)
+        else:
+            channel = grpc.aio.secure_channel(address, tls.channel_credentials())
+        async with channel:
+            stub = pb_grpc.ControllerStub(channel)
+            return await stub.Report(report("a", []), timeout=5,
+                                     metadata=(("authorization", f"Bearer {token}"),))  # fmt: skip
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def served(events):
+    thread = InThread(Controller(events), "127.0.0.1:0", TOKEN)
+    port = thread.start_serving()
+    yield thread, f"127.0.0.1:{port}"
+    thread.stop()
+
+
+def test_only_a_caller_with_the_token_is_heard(served):
+    _, address = served
+    assert call(address, TOKEN).heartbeat_s > 0
+    for wrong in ("", "x" * 32, TOKEN + "x"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            call(address, wrong)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "FLASHCKPT_CONTROLLER_TOKEN" in err.value.details()
+
+
+def test_a_second_controller_cannot_take_the_same_address(served, events):
+    _, address = served
+    with pytest.raises(RuntimeError):
+        InThread(Controller(events), address, TOKEN).start_serving()
+
+
+def test_tls_with_the_controllers_certificate(tmp_path, events, monkeypatch):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+    )  # fmt: skip
+    monkeypatch.setenv("FLASHCKPT_CONTROLLER_TLS_CERT", str(cert))
+    monkeypatch.setenv("FLASHCKPT_CONTROLLER_TLS_KEY", str(key))
+    key.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        control.Tls.from_env(server=True)
+    key.chmod(0o600)
+    thread = InThread(Controller(events), "127.0.0.1:0", TOKEN, control.Tls.from_env(server=True))
+    port = thread.start_serving()
+    try:
+        assert call(f"127.0.0.1:{port}", TOKEN, control.Tls.from_env(server=False)).heartbeat_s
+        with pytest.raises(grpc.aio.AioRpcError):  # plain text to a TLS port
+            call(f"127.0.0.1:{port}", TOKEN)
+    finally:
+        thread.stop()
+
+
+def test_tokens_that_are_short_or_readable_by_others_are_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLASHCKPT_CONTROLLER_TOKEN", raising=False)
+    path = tmp_path / "token"
+    path.write_text("s" * 40 + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv("FLASHCKPT_CONTROLLER_TOKEN_FILE", str(path))
+    with pytest.raises(ConfigError, match="chmod 600"):
+        control.token_from_env()
+    path.chmod(0o600)
+    assert control.token_from_env() == "s" * 40
+    monkeypatch.setenv("FLASHCKPT_CONTROLLER_TOKEN", "short")
+    with pytest.raises(ConfigError, match="at least 16"):
+        control.token_from_env()
+
+
+def test_a_torn_or_foreign_endpoint_file_means_no_controller(tmp_path):
+    tmp_path.chmod(0o700)
+    control.Endpoint("127.0.0.1:1", TOKEN).save(tmp_path, JOB)
+    assert control.Endpoint.load(tmp_path, JOB) == control.Endpoint("127.0.0.1:1", TOKEN)
+    for junk in (b"", b"{", b'{"address": "nohost", "token": "' + TOKEN.encode() + b'"}',
+                 b'{"address": "127.0.0.1:1", "token": "short"}', b"[1, 2]"):  # fmt: skip
+        control.file_path(tmp_path, JOB).write_bytes(junk)
+        assert control.Endpoint.load(tmp_path, JOB) is None, junk
+
+
+# ---- a real agent carries out the orders ---------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from flashckpt.heartbeat import Heartbeat, heartbeat_path, stacks_path
+    shm, job, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    (shm / job).mkdir(parents=True, exist_ok=True)
+    hb = Heartbeat(heartbeat_path(shm, job, rank), stacks_path(shm, job, rank))
+    hb.progress(1)
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def start_worker(shm: Path, rank: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(shm), JOB, str(rank)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.slow
+def test_an_agent_reports_its_workers_and_kills_the_ones_ordered(shm_dir, run_dir, events,
+                                                                  monkeypatch):  # fmt: skip
+    monkeypatch.setenv("FLASHCKPT_NODE", "here")
+    monkeypatch.setenv("FLASHCKPT_KILL_GRACE", "1")
+    c = Controller(events, node_timeout=30, heartbeat=0.2)
+    thread = InThread(c, "127.0.0.1:0", TOKEN)
+    port = thread.start_serving()
+    control.Endpoint(f"127.0.0.1:{port}", TOKEN).save(run_dir, JOB)
+    running, stopped = start_worker(shm_dir, 0), start_worker(shm_dir, 1)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
+         str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT,
+    )  # fmt: skip
+    try:
+
+        def ours():
+            job = c.jobs.get(JOB)
+            return job.nodes.get("here") if job else None
+
+        assert poll(lambda: ours() is not None and len(ours().workers) == 2, 30)
+        seen = {s.worker.rank: s.worker for s in ours().workers.values()}
+        assert seen[0].pid == running.pid and seen[0].alive and seen[0].step == 1
+        # Another node's worker failed: the controller orders both of ours killed.
+        c.report(report("there", [worker(5, 999, 60, alive=False)]))
+        assert poll(lambda: running.poll() is not None and stopped.poll() is not None, 15)
+        assert running.returncode == -signal.SIGTERM  # a live worker is asked first
+        assert stopped.returncode == -signal.SIGKILL  # a stopped one cannot hear SIGTERM
+        assert poll(lambda: not ours().kill, 10)
+    finally:
+        for p in (running, stopped):
+            p.kill()
+            p.wait()
+        agent.terminate()
+        assert agent.wait(30) == 0
+        thread.stop()
+    assert is_dead(running.pid) and is_dead(stopped.pid)
+
+
+def test_the_standalone_controller_needs_a_token_and_serves_with_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_CONTROLLER")}
+    cmd = [sys.executable, "-m", "flashckpt.agent.cli", "controller", "--bind", "127.0.0.1:0",
+           "--events", str(tmp_path / "ev.jsonl")]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode != 0 and "FLASHCKPT_CONTROLLER_TOKEN_FILE" in out.stderr
+    proc = subprocess.Popen(cmd, env={**env, "FLASHCKPT_CONTROLLER_TOKEN": TOKEN},
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        line = ""
+        while "serving on" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        address = line.split("serving on ")[1].split()[0]
+        assert call(address, TOKEN).heartbeat_s > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
