@@ -255,9 +255,7 @@ def test_a_lost_node_is_detected_and_its_fresh_replacement_restores_from_shared_
     assert run.codes == [0, 0], explain(run)
     assert detected <= 3 + 2, detected
     lost = next(e for e in run.events[0] if e["kind"] == "node_lost")
-    assert lost["action"] == "kill" and len(lost["ordered"].get("node0", [])) == 2, (
-        lost
-    )
+    assert lost["action"] == "kill" and len(lost["ordered"].get("node0", [])) == 2, lost
     kept, fresh = restores(run.events[0]), restores(run.events[1])
     assert len(kept) == len(fresh) == PER_NODE, explain(run)
     assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
