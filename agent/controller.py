@@ -114,8 +114,9 @@ class Controller:
                 node.lost = True
                 if node.last_seen < job.round_failed_at:
                     continue  # its workers were already ordered killed with a failed round
+                ranks = sorted({s.worker.rank for s in node.workers.values()})
                 self._detect(name, job, "node_lost", node_name, -1, node.last_seen,
-                             silent_s=round(now - node.last_seen, 3))  # fmt: skip
+                             silent_s=round(now - node.last_seen, 3), ranks=ranks)  # fmt: skip
 
     def _detect(self, name: str, job: JobState, kind: str, node: str, rank: int,
                 failed_at: float, **detail: object) -> None:  # fmt: skip

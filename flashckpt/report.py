@@ -2,7 +2,8 @@
 
     lost = failures x (detect + restart + restore + recomputed steps) + steady save stall
 
-A failure is a hang the watchdog detected or a worker that exited before closing. Its parts:
+A failure is a hang the watchdog detected, a worker that exited before closing, or a node the
+controller lost (its agent went silent). Its parts:
 detect, from the failing rank's last heartbeat to the detection; restart, from the detection
 to the first restore starting; restore, the slowest rank's restore; recomputed, the steps
 between the newest one a rank had saved and the one restored, plus the step in progress, at
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Failure:
     at: float
-    kind: str  # "hang" or "exit"
+    kind: str  # "hang", "exit" or "node"
     ranks: list[int]
     detect_s: float
     last_step: int | None
@@ -58,6 +59,9 @@ class Report:
         }  # fmt: skip
 
 
+_FAILURE = {"hang_detected": "hang", "worker_exited": "exit", "node_lost": "node"}
+
+
 def summarize(events: list[dict]) -> Report:
     events = sorted(events, key=lambda e: e["time"])
     times = [e["time"] for e in events]
@@ -67,17 +71,22 @@ def summarize(events: list[dict]) -> Report:
     step_times: list[float] = []
     for e in events:
         kind = e["kind"]
-        if kind == "hang_detected" or (
+        if kind in ("hang_detected", "node_lost") or (
             kind == "worker_exited" and e.get("worker_pid") not in killed
         ):
             if kind == "hang_detected":
                 killed.add(e.get("worker_pid"))
             if open_failure is None or open_failure.restore_s is not None:
                 open_failure = Failure(
-                    at=e["time"], kind="hang" if kind == "hang_detected" else "exit", ranks=[],
+                    at=e["time"], kind=_FAILURE[kind], ranks=[],
                     detect_s=_num(e.get("silent_s")), last_step=_int(e.get("step")),
                 )  # fmt: skip
                 report.failures.append(open_failure)
+            if kind == "node_lost":
+                open_failure.kind = "node"  # the exits seen first were its consequences
+                open_failure.ranks = [r for r in e.get("ranks") or [] if isinstance(r, int)]
+                open_failure.detect_s = max(open_failure.detect_s, _num(e.get("silent_s")))
+                continue
             if kind == "hang_detected" or not open_failure.ranks:
                 open_failure.ranks.append(e.get("rank"))  # later exits: the restart's kills
             step = _int(e.get("step"))
@@ -103,7 +112,8 @@ def render(report: Report) -> str:
     for i, f in enumerate(report.failures, 1):
         steps = f.recomputed_steps()
         lines.append(
-            f"  {i}. {f.kind} of rank(s) {sorted(set(r for r in f.ranks if r is not None))}: "
+            f"  {i}. {'lost node' if f.kind == 'node' else f.kind} of rank(s) "
+            f"{sorted(set(r for r in f.ranks if r is not None))}: "
             f"detect {f.detect_s:.1f}s, restart {_s(f.restart_s)}, restore {_s(f.restore_s)}, "
             f"restored step {f.restored_step}, recomputed {steps if steps is not None else '?'} "
             "step(s)"
