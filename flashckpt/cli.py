@@ -1,6 +1,9 @@
 """``flashckpt``: look at and check snapshots in shared memory and in storage tiers.
 
-flashckpt list   --job J [--tier URL ...]      steps held in memory and committed per tier
+flashckpt list   --job J [--tier URL ...]      steps held in memory and committed per tier,
+                                               and what the job's controller (if one runs
+                                               for it on this node) says: nodes, detections,
+                                               steps committed for every rank
 flashckpt verify --job J --tier URL [--step N] re-read a committed step as a restore would:
                                                every manifest, size and chunk; exit 1 on any
                                                problem, each one reported
@@ -14,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import config, tier_io
+from . import config, control, tier_io
 from .checksum import bad_chunks
 from .errors import FlashCkptError, SharedMemoryError
 from .slot import Slot
@@ -61,7 +64,30 @@ def _list(args: argparse.Namespace) -> int:
         for (gen, step), c in sorted(steps.items(), key=lambda kc: (kc[0][1], kc[0][0])):
             branch = f" (generation {gen})" if gen else ""
             print(f"  step {step}{branch}: {_commit_state(c)}")
+    _controller(args)
     return 1 if failed else 0
+
+
+def _controller(args: argparse.Namespace) -> None:
+    endpoint = control.Endpoint.load(config.run_dir(args.run_dir, create=False), args.job)
+    if endpoint is None:
+        return
+    try:
+        status = control.job_status(endpoint, args.job)
+    except Exception as exc:  # a controller that is gone is worth a line, not a failure
+        print(f"controller {endpoint.address}: does not answer ({exc.__class__.__name__})")
+        return
+    print(f"controller {endpoint.address} (policy {status.policy}):")
+    for n in status.nodes:
+        ranks = sorted(w.rank for w in n.workers if w.alive and w.phase != "closed")
+        state = "LOST" if n.lost else f"seen {n.last_seen_s:.1f}s ago"
+        print(f"  node {n.node}: {state}, running ranks {ranks}")
+    for d in status.detections:
+        who = f"rank {d.rank} on {d.node}" if d.rank >= 0 else f"node {d.node}"
+        print(f"  {d.kind.replace('_', ' ')}: {who}, {d.age_s:.0f}s ago ({d.action})")
+    for g in status.commits:
+        branch = f" (generation {g.generation})" if g.generation else ""
+        print(f"  {g.url}: step {g.step}{branch} committed for every rank")
 
 
 def _commit_state(c: tier_io.CommittedStep | None) -> str:
@@ -154,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ls.add_argument("--job", required=True)
     ls.add_argument("--tier", action="append", default=[], metavar="URL")
     ls.add_argument("--shm-dir", default=None)
+    ls.add_argument("--run-dir", default=None, help="where the job's controller endpoint is")
     ls.set_defaults(fn=_list)
     vf = sub.add_parser("verify", help="check every chunk of a committed step against its checksum")
     vf.add_argument("--job", required=True)

@@ -167,3 +167,20 @@ def policy() -> str:
     if value not in ("restart", "notify"):
         raise ConfigError(f"FLASHCKPT_RESTART_POLICY must be restart or notify, got {value!r}")
     return value
+
+
+def job_status(endpoint: Endpoint, job: str, timeout: float = 3.0):
+    """The controller's view of ``job`` (a ``JobStatusReply``); grpc.aio.AioRpcError if it
+    does not answer."""
+    import asyncio
+
+    from .proto import controller_pb2 as pb
+    from .proto import controller_pb2_grpc as pb_grpc
+
+    async def go():
+        async with endpoint.channel() as channel:
+            return await pb_grpc.ControllerStub(channel).JobStatus(
+                pb.JobStatusRequest(job=job), metadata=endpoint.metadata(), timeout=timeout
+            )
+
+    return asyncio.run(go())

@@ -318,3 +318,29 @@ def test_the_standalone_controller_needs_a_token_and_serves_with_one(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_flashckpt_list_shows_the_controllers_nodes_detections_and_global_commits(
+    served, run_dir, shm_dir
+):
+    thread, address = served
+    c = thread.controller
+    pfs = pb.TierCommit(url="pfs:///ckpt", shared=True, step=9, generation=0)
+    c.report(report("a", [worker(0, 100, 60)], tiers=[pfs], ranks=[0, 1], world=2))
+    c.report(report("b", [worker(2, 200, 60, alive=False)], world=2))
+    control.Endpoint(address, TOKEN).save(run_dir, JOB)
+    out = subprocess.run(
+        [sys.executable, "-m", "flashckpt.cli", "list", "--job", JOB], capture_output=True,
+        text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"controller {address} (policy restart):" in out.stdout
+    assert "node a: seen" in out.stdout and "running ranks [0]" in out.stdout
+    assert "worker failed: rank 2 on b" in out.stdout
+    assert "pfs:///ckpt: step 9 committed for every rank" in out.stdout
+    thread.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "flashckpt.cli", "list", "--job", JOB], capture_output=True,
+        text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0 and "does not answer" in out.stdout, out
