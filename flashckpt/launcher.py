@@ -177,28 +177,31 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
 
     address = controller_address(args)
     token = control.token_from_env()
-    if token is None and not args.standalone:
+    single = args.standalone or str(args.nnodes) in ("1", "1:1")
+    if token is None and not single:
         log.warning("no FLASHCKPT_CONTROLLER_TOKEN(_FILE): the nodes run without a controller "
                     "(a lost node is not detected; hangs and exits still are, per node)")  # fmt: skip
         return None
-    token = token or secrets.token_hex(32)  # standalone: one node, nobody else to agree with
-    tls = (
-        control.Tls.from_env(server=True)
-        if os.environ.get("FLASHCKPT_CONTROLLER_TLS_KEY")
-        else None
-    )
-    bind = os.environ.get("FLASHCKPT_CONTROLLER_BIND") or address
-    served = InThread(Controller(events, control.policy()), bind, token, tls)
-    try:
-        port = served.start_serving()
-        host = control.split_address(address)[0]
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info("controller serving on %s (policy %s)", address, served.controller.policy)
-        events.record("controller_started", address=address, policy=served.controller.policy)
-    except RuntimeError:  # in use (another node's launcher, a standalone one) or not ours
-        served = None
-    control.Endpoint(address, token, tls=bool(os.environ.get("FLASHCKPT_CONTROLLER_TLS_CA")
-                                              or tls)).save(run_dir, job)  # fmt: skip
+    token = token or secrets.token_hex(32)  # one node: nobody else to agree with
+    env = os.environ.get
+    uses_tls = bool(env("FLASHCKPT_CONTROLLER_TLS_CERT") or env("FLASHCKPT_CONTROLLER_TLS_CA"))
+    served: InThread | None = None
+    if uses_tls and not env("FLASHCKPT_CONTROLLER_TLS_KEY"):
+        log.info("no FLASHCKPT_CONTROLLER_TLS_KEY here: this node reports to the controller "
+                 "and does not serve it")  # fmt: skip
+    else:
+        tls = control.Tls.from_env(server=True) if uses_tls else None
+        bind = env("FLASHCKPT_CONTROLLER_BIND") or address
+        served = InThread(Controller(events, control.policy()), bind, token, tls)
+        try:
+            port = served.start_serving()
+            host = control.split_address(address)[0]
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            log.info("controller serving on %s (policy %s)", address, served.controller.policy)
+            events.record("controller_started", address=address, policy=served.controller.policy)
+        except RuntimeError:  # in use (another node's launcher, a standalone one) or not ours
+            served = None
+    control.Endpoint(address, token, uses_tls).save(run_dir, job)
     return served
 
 
