@@ -53,8 +53,8 @@ def flip_last(raw: bytes, end: int) -> bytes:
 
 def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
     """The last data byte of ``step`` (its newest chunk), flipped in memory and every tier."""
-    for index in range(2):
-        path = slot_path(ckpt.shm_dir, ckpt.job, ckpt.rank, index)
+    first = slot_path(ckpt.shm_dir, ckpt.job, ckpt.rank, 0)
+    for path in first.parent.glob(f"rank-{ckpt.rank}.slot-*"):  # the spare slot too
         raw = path.read_bytes()
         if struct.unpack_from("<q", raw, 24)[0] == step:  # the header's step
             data_len = struct.unpack_from("<q", raw, 32)[0]
