@@ -29,6 +29,13 @@ class Trainers:
             # or about to be killed by the launcher) no longer count.
             self.pids.clear()
             self.closing.clear()
+        elif pid not in self.pids.values():
+            # A new process: ranks whose process is gone were the earlier incarnation's. After
+            # a restart this node may run other ranks than before (the rendezvous assigns
+            # them), and a step must not wait for ranks that moved to another node.
+            for old in [r for r, p in self.pids.items() if r != rank and not pid_alive(p)]:
+                del self.pids[old]
+                self.closing.discard(old)
         self.world_size, self.local_world_size = max(0, world_size), max(0, local_world_size)
         self.pids[rank] = pid
         self.closing.discard(rank)  # a restarted trainer takes its rank back
