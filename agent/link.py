@@ -26,7 +26,7 @@ from flashckpt.storage_tiers.registry import redact
 
 from flashckpt import config
 from flashckpt.control import Endpoint
-from flashckpt.heartbeat import read
+from flashckpt.heartbeat import Phase, pages
 from flashckpt.proc import parent_and_state
 
 from .jobs import Job
@@ -34,32 +34,20 @@ from .jobs import Job
 log = logging.getLogger(__name__)
 
 DEFAULT_KILL_GRACE = 5.0
-_PAGE = ".heartbeat"
 
 
 def workers(shm_dir: Path, job: str) -> list[pb.Worker]:
     """The job's workers on this node, from their heartbeat pages."""
     now = time.monotonic()
-    out = []
-    try:
-        names = sorted(n for n in os.listdir(shm_dir / job) if n.endswith(_PAGE))
-    except OSError:
-        return out
-    for name in names:
-        try:
-            rank = int(name[len("rank-") : -len(_PAGE)])
-        except ValueError:
-            continue
-        beat = read(shm_dir / job / name)
-        if beat is None:
-            continue
-        phase = beat.phase.name.lower()
-        out.append(pb.Worker(
-            rank=rank, pid=beat.pid, phase=phase, step=-1 if beat.step is None else beat.step,
-            silent_s=max(0.0, now - beat.updated_at), age_s=max(0.0, now - beat.started_at),
-            alive=phase == "closed" or parent_and_state(beat.pid)[1] != "",
-        ))  # fmt: skip
-    return out
+    return [
+        pb.Worker(
+            rank=rank, pid=b.pid, phase=b.phase.name.lower(),
+            step=-1 if b.step is None else b.step, silent_s=max(0.0, now - b.updated_at),
+            age_s=max(0.0, now - b.started_at),
+            alive=b.phase == Phase.CLOSED or parent_and_state(b.pid)[1] != "",
+        )
+        for rank, b in pages(shm_dir, job)
+    ]  # fmt: skip
 
 
 class Link:

@@ -53,8 +53,11 @@ class Phase(enum.IntEnum):
     CLOSED = 5
 
 
+_SUFFIX = ".heartbeat"
+
+
 def heartbeat_path(shm_dir: Path, job: str, rank: int) -> Path:
-    return shm_dir / job / f"rank-{rank}.heartbeat"
+    return shm_dir / job / f"rank-{rank}{_SUFFIX}"
 
 
 def stacks_path(shm_dir: Path, job: str, rank: int) -> Path:
@@ -162,6 +165,26 @@ def open_for_rank(shm_dir: Path, job: str, rank: int) -> Heartbeat | None:
         log.warning("rank %d has no heartbeat page (%s); a hang of it goes unnoticed", rank, exc)
         return None
     return hb
+
+
+def pages(shm_dir: Path, job: str) -> list[tuple[int, Beat]]:
+    """(rank, beat) of every valid heartbeat page of ``job`` on this node, by rank."""
+    try:
+        names = sorted(os.listdir(shm_dir / job))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(_SUFFIX)):
+            continue
+        try:
+            rank = int(name[len("rank-") : -len(_SUFFIX)])
+        except ValueError:
+            continue
+        beat = read(shm_dir / job / name)
+        if beat is not None:
+            out.append((rank, beat))
+    return out
 
 
 def read(path: Path) -> Beat | None:

@@ -36,7 +36,7 @@ from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import HangPolicy, Watchdog
-from .heartbeat import Phase, heartbeat_path, read
+from .heartbeat import Phase, heartbeat_path, pages, read
 from .proc import parent_and_state
 from .safe_paths import private_dir
 
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from .agent.controller import InThread
 
 log = logging.getLogger(__name__)
-
-_PAGE_SUFFIX = ".heartbeat"
 
 
 def job_for(args) -> str:
@@ -68,7 +66,7 @@ class NodeWatch(threading.Thread):
     def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
                  interval: float = 0.25):  # fmt: skip
         super().__init__(name="flashckpt-watchdog", daemon=True)
-        self.shm_dir, self.job, self.dir = shm_dir, job, shm_dir / job
+        self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
         self.events, self.interval = events, interval
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
@@ -128,21 +126,9 @@ class NodeWatch(threading.Thread):
 
     def _workers(self) -> dict[int, int]:
         """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
-        out: dict[int, int] = {}
-        try:
-            names = [p for p in os.listdir(self.dir) if p.endswith(_PAGE_SUFFIX)]
-        except OSError:
-            return out
         me = os.getpid()
-        for name in names:
-            try:
-                rank = int(name[len("rank-") : -len(_PAGE_SUFFIX)])
-            except ValueError:
-                continue
-            beat = read(self.dir / name)
-            if beat is not None and parent_and_state(beat.pid)[0] == me:
-                out[rank] = beat.pid
-        return out
+        return {rank: beat.pid for rank, beat in pages(self.shm_dir, self.job)
+                if parent_and_state(beat.pid)[0] == me}  # fmt: skip
 
 
 def keep_agent(job: str, run_dir: Path, shm_dir: Path, halt: threading.Event) -> None:
