@@ -84,7 +84,9 @@ async def serve(
                 not jb.trainers.alive() and jb.idle(give_up_after) for jb in service.jobs.values()
             )
             idle_since = (idle_since or loop.time()) if quiet else None
-            if idle_since is not None and loop.time() - idle_since >= exit_when_idle:
+            # Once the launcher that started it is gone, its workers are too: no grace.
+            grace = 0.0 if while_pid and not pid_alive(while_pid) else exit_when_idle
+            if idle_since is not None and loop.time() - idle_since >= grace:
                 for jb in service.jobs.values():
                     for w in jb.workers.values():
                         if w.state.lag_steps:

@@ -50,13 +50,13 @@ def two_nodes(
     """Run the job on two simulated nodes; (exit codes, seconds, the nodes' event logs)."""
     port, job = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
     procs, runs, shms = [], [], []
-    token = uuid.uuid4().hex
+    token, controller = uuid.uuid4().hex, f"127.0.0.1:{free_port()}"
     for node in range(2):
         run_dir, shm = tmp / f"{job}-run{node}", Path("/dev/shm") / f"flashckpt-bench-{job}-{node}"
         runs.append(run_dir)
         shms.append(shm)
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(shm), "FLASHCKPT_RUN_DIR": str(run_dir),
-                "FLASHCKPT_NODE": f"node{node}", "FLASHCKPT_CONTROLLER_TOKEN": token,
+                "FLASHCKPT_NODE": f"node{node}", "FLASHCKPT_CONTROLLER_TOKEN": token, "FLASHCKPT_CONTROLLER": controller,
                 "OMP_NUM_THREADS": "1", "STEPS": "40", **env}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         cmd = [str(BIN / launcher), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",

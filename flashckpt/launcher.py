@@ -185,7 +185,12 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             log.info("controller serving on %s (policy %s)", address, served.controller.policy)
             events.record("controller_started", address=address, policy=served.controller.policy)
-        except RuntimeError:  # in use (another node's launcher, a standalone one) or not ours
+        except (
+            RuntimeError
+        ) as exc:  # in use (another node's launcher, a standalone one) or not ours
+            log.info(
+                "this node reports to the controller at %s (not served here: %s)", address, exc
+            )
             served = None
     control.Endpoint(address, token, uses_tls).save(run_dir, job)
     return served

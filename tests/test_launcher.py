@@ -66,6 +66,8 @@ class Cluster:
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}), **env: str):
         self.tmp, self.name = tmp, name
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
+        # A free port, not the default rendezvous port + 1, which another test may hold.
+        self.controller = f"127.0.0.1:{free_port()}"
         self.marks = tmp / f"{name}-marks"
         self.marks.mkdir()
         self.env, self.node_env = env, node_env
@@ -79,7 +81,8 @@ class Cluster:
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(self.shm[node]),
                 "FLASHCKPT_RUN_DIR": str(self.run_dirs[node]), "FT_MARKS": str(self.marks),
                 "FT_DIGEST": str(self.tmp / f"{self.name}.digest"), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "FLASHCKPT_CONTROLLER_TOKEN": TOKEN, "FLASHCKPT_NODE": f"node{node}", **self.env,
+                "PYTHONUNBUFFERED": "1", "FLASHCKPT_CONTROLLER_TOKEN": TOKEN, "FLASHCKPT_NODE": f"node{node}",
+                "FLASHCKPT_CONTROLLER": self.controller, **self.env,
                 **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         cmd = [str(LAUNCHER), f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}",
