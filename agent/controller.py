@@ -18,15 +18,19 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
-from flashckpt import config
+from flashckpt import config, control
+from flashckpt.errors import ConfigError
 from flashckpt.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -291,13 +295,6 @@ class InThread(threading.Thread):
 async def serve_standalone(bind: str | None, events: str | None, run_dir: str | None,
                            policy: str | None, node_timeout: float | None) -> None:  # fmt: skip
     """``flashckpt-agent controller``: serve until SIGTERM or SIGINT."""
-    import os
-    import signal
-    from pathlib import Path
-
-    from flashckpt import control
-    from flashckpt.errors import ConfigError
-
     bind = (
         bind
         or os.environ.get("FLASHCKPT_CONTROLLER_BIND")
