@@ -24,7 +24,7 @@ from .safe_paths import write_atomic
 from .sealer import Sealer
 from .slot import HEADER_SIZE, Slot, required_capacity
 from .slot_prep import SlotPreparer
-from .slots import SlotPair, closed_marker_path, header_or_none
+from .slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
 from .sources import MemorySource, TierSource
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class Checkpointer:
         in_use = self._pair.in_use
         slot = self._pair.acquire_for_write(need)
         if slot is None and self._pair.in_use > in_use:
-            # Persistence lags: a reader holds the older slot and the newest snapshot is kept.
-            # The spare slot is readied now, once, and from then on three slots turn.
+            # Persistence lags: readers hold the older slots and the newest snapshot is kept.
+            # A spare slot is readied now, once, and from then on it turns with the rest.
             try:
                 self._prep.ready_spare(capacity, _on_device(leaves))
                 slot = self._pair.acquire_for_write(need)
@@ -409,9 +409,10 @@ class Checkpointer:
     def _connect_agent(self) -> None:
         if self.tiers and self._agent is None:
             self._agent = AgentClient.connect(self.job, self.run_dir, self.shm_dir)
-            self._agent.register(
+            stored_to = self._agent.register(
                 self.rank, group.world_size(), self.tiers, self.shm_dir, config.local_world_size()
             )
+            self._pair.max_in_use = min(N_SLOTS, N_STEADY + max(1, len(stored_to)))
 
     def _wait_tier(self, tier: str, step: int | None, timeout: float | None) -> int:
         from .storage_tiers import parse_spec

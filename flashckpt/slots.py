@@ -25,8 +25,10 @@ from .slot import Slot, SlotHeader, SlotState, shm_space_error
 
 log = logging.getLogger(__name__)
 
-N_SLOTS = 3
-"""Slot files a rank may have: two in use, plus a spare made only when persistence lags."""
+N_SLOTS = 6
+"""The most slot files a rank may have: two in use, plus spares made only when persistence
+lags, up to one per tier storing the job (each tier's round holds at most one of a rank's
+slots, so with that many spares no reader can make a save skip its snapshot)."""
 N_STEADY = 2
 _CLAIM_ATTEMPTS = 20
 _CLAIM_GRACE_S = 1.0  # an agent freeing a closed rank's slots holds its owner lock briefly
@@ -161,9 +163,10 @@ class SlotPair:
         self.paths = [slot_path(shm_dir, job, rank, i) for i in range(N_SLOTS)]
         self.slots: list[Slot | None] = [None] * N_SLOTS
         self.busy: set[int] = set()  # slots being prepared in the background: not to be touched
-        # Slots in use: two, and the spare once a reader held the older slot while the newest
-        # had to be kept (persistence lags), or once a spare is found from an earlier run.
+        # Slots in use: two, and a spare each time readers held every slot but the newest
+        # (persistence lags), or the spares found from an earlier run.
         self.in_use = N_STEADY
+        self.max_in_use = N_STEADY + 1  # the owner raises it to two plus one per tier
         self._owner_fd: int | None = None
         self.shm_dir, self.job, self.rank = shm_dir, job, rank
 
@@ -222,8 +225,9 @@ class SlotPair:
     # ---- mapping ---------------------------------------------------------------------
     def open_existing(self) -> None:
         owner = self._owner_fd is not None  # only the owner may reinitialise an invalid file
-        if self.paths[-1].exists():
-            self.in_use = N_SLOTS
+        found = [i for i, path in enumerate(self.paths) if path.exists()]
+        if found:  # spares an earlier run made turn with the rest
+            self.in_use = max(self.in_use, found[-1] + 1)
         for i, path in enumerate(self.paths):
             if self.slots[i] is None and i not in self.busy and path.exists():
                 # A reader leaves a file that is not a valid slot alone: its owner reinitialises it.
@@ -296,8 +300,8 @@ class SlotPair:
                 continue
             if slot.try_lock(exclusive=True):
                 return slot
-        if self.in_use < N_SLOTS:
-            self.in_use += 1  # the caller readies the spare; from then on three slots turn
+        if self.in_use < self.max_in_use:
+            self.in_use += 1  # the caller readies a spare; from then on it turns with the rest
         return None
 
     def close(self, remove: bool) -> None:

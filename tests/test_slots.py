@@ -66,7 +66,7 @@ def test_writer_never_overwrites_a_slot_being_read_nor_the_newest_snapshot(shm_d
         assert sorted(h.step for h in headers(ck)) == [1, 2, 3]
         ck.save(4, {"t": torch.ones(4) * 4})
         assert held.header().step == 1 and sorted(h.step for h in headers(ck)) == [1, 3, 4]
-        other = [Slot.open_readonly(s.path) for s in ck._pair.slots if s.header().step == 3]
+        other = [Slot.open_readonly(s.path) for s in ck._pair.slots if s and s.header().step == 3]
         assert other[0].try_lock(exclusive=False)  # readers hold all but the newest
         ck.save(5, {"t": torch.ones(4) * 5})
         assert ck.skipped == 1 and sorted(h.step for h in headers(ck)) == [1, 3, 4]
@@ -167,3 +167,27 @@ def test_no_room_for_a_spare_slot_skips_the_snapshot_and_training_goes_on(shm_di
         reader.close()
         ck.save(4, {"t": torch.ones(4) * 4})
         assert sorted(h.step for h in headers(ck)) == [2, 4]
+
+
+def test_each_tier_may_hold_a_slot_and_no_save_is_skipped(shm_dir, run_dir, tmp_path):
+    """Two tiers store the job, each one step at its own pace, so each may hold one of the
+    rank's slots while the newest is kept: a spare per tier takes the snapshots, and none is
+    skipped (a skipped last save would send every rank back a step after a crash)."""
+    tiers = [f"file://{tmp_path / name}?every_seconds=3600" for name in ("a", "b")]
+    with Checkpointer(*tiers, job="tiers") as ck:
+        ck.save(1, {"t": torch.ones(4)})
+        for tier in tiers:  # the agent's rounds are over; from now on the throttle holds it
+            ck.wait(1, tier=tier, timeout=30)
+        ck.save(2, {"t": torch.ones(4) * 2})
+        ck.save(3, {"t": torch.ones(4) * 3})
+        readers = []
+        for step in (2, 3):  # tier a holds step 2's slot, then tier b step 3's
+            slot = next(s for s in ck._pair.slots if s and s.header().step == step)
+            readers.append(Slot.open_readonly(slot.path))
+            assert readers[-1].try_lock(exclusive=False)
+            ck.save(step + 2, {"t": torch.ones(4) * (step + 2)})
+        assert ck.skipped == 0 and sorted(h.step for h in headers(ck)) == [2, 3, 4, 5]
+        ck.save(6, {"t": torch.ones(4) * 6})  # over step 4: neither held nor the newest
+        assert ck.skipped == 0 and sorted(h.step for h in headers(ck)) == [2, 3, 5, 6]
+        for reader in readers:
+            reader.close()
