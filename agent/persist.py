@@ -243,8 +243,8 @@ class TierWorker:
         # them could never be completed later. Slots of other ranks are leftovers, not waited on.
         common = set.intersection(*(set(steps) for steps in ours.values()))
         step = max(common, default=None)
-        if step is not None and step <= self.state.last_committed:
-            self._warn_older(step)
+        if newest < self.state.last_committed:  # not merely no newer step yet
+            self._warn_older(newest)
         if step is None or step <= self.state.last_committed or self._throttled(step):
             self._report()
             return None
@@ -301,8 +301,8 @@ class TierWorker:
         return step
 
     def _warn_older(self, step: Key) -> None:
-        """Trainers save a step the tier has a newer one of, in the same branch: a job that
-        started over without restore() (restore() would have started a new branch)."""
+        """Trainers' newest step is older than one the tier has, in the same branch: a job
+        that started over without restore() (restore() would have started a new branch)."""
         if step[0] == self.state.last_committed[0] and step != self._older_warned:
             self._older_warned = step
             log.warning(

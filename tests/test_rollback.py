@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import run_python
+from conftest import run_python, wait_for
 
 from flashckpt import Checkpointer, layout, tier_io
 from flashckpt.sources import run_with_tier
@@ -100,3 +100,20 @@ def test_retention_retires_the_abandoned_branch_when_asked(shm_dir, run_dir, tmp
         (1, 3),
     ]
     assert fresh_restore(url, "retire", tmp_path) == ["3", "103.0", "1"]
+
+
+def test_only_a_job_that_starts_over_without_restore_is_warned(shm_dir, run_dir, tmp_path):
+    """Steady saving (each step committed, the next not yet saved) warns of nothing; a run
+    that saves from step 0 again without restore() is told its steps are not stored."""
+    url = f"file://{tmp_path / 'nvme'}"
+    log = run_dir / "over.log"
+    with Checkpointer(url, job="over") as ck:
+        save_all(ck, url, range(4), branch=0)
+    assert "is committed already" not in log.read_text()
+    with Checkpointer(url, job="over") as ck:
+        ck.save(0, fill(0, 1))
+
+        def warned() -> bool:
+            return "saves step 0, but step 3 is committed already" in log.read_text()
+
+        wait_for(warned, timeout=30, what="the agent's warning")
