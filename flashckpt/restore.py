@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import optim_state
 from .checksum import chunk_mismatch, crc, verify_entry
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from .flatten import DTensor, copy_into, is_stateful, join, tensor_source
@@ -206,6 +207,9 @@ class Planner:
                 )
             )
             return lambda src: target
+        indices = _state_indices(node["v"])
+        if optim_state.needs_state(target, indices):
+            optim_state.create_state(target, indices)
         template = target.state_dict()
         # A module's keys are its contract; an optimizer fills its state lazily, so a fresh one
         # has none of the keys the snapshot holds and its own load_state_dict judges them.
@@ -322,6 +326,16 @@ class Planner:
             return values
 
         return produce
+
+
+def _state_indices(node: Any) -> set[int]:
+    """The parameter indices an optimizer's saved ``state`` holds state for."""
+    if not isinstance(node, dict) or node.get("t") != "dict":
+        return set()
+    for knode, vnode in node.get("items", []):
+        if _decode_key(knode) == "state" and isinstance(vnode, dict) and vnode.get("t") == "dict":
+            return {k for kn, _ in vnode.get("items", []) if type(k := _decode_key(kn)) is int}
+    return set()
 
 
 def _kind(node: Any) -> str:

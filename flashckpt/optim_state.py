@@ -1,0 +1,55 @@
+"""Give a fresh optimizer the state a restore loads into.
+
+Optimizers create their per-parameter state lazily, at the first ``step()``. A snapshot's
+state restored into a fresh one would arrive as plain tensors, while a sharded model's
+(FSDP2, tensor parallel) optimizer state must be DTensors on the parameters' mesh and
+placements. So before a restore, the parameters the snapshot holds state for get that state
+created the way the optimizer's own first step creates it: a step on zero gradients at a
+learning rate of zero, which changes no parameter. The snapshot's values then overwrite it in
+place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from .flatten import DTensor
+
+
+def params_in_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in ``state_dict()`` order: index ``i`` is key ``i``."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def needs_state(opt: Any, indices: Collection[int]) -> bool:
+    """Whether ``opt`` is a fresh optimizer whose state for ``indices`` must be created before
+    a restore: it has none yet and some of those parameters are DTensors."""
+    if not isinstance(opt, torch.optim.Optimizer) or opt.state or not indices:
+        return False
+    params = params_in_order(opt)
+    return DTensor is not None and any(
+        0 <= i < len(params) and isinstance(params[i], DTensor) for i in indices
+    )
+
+
+def create_state(opt: torch.optim.Optimizer, indices: Collection[int]) -> None:
+    """Create ``opt``'s state for the parameters at ``indices`` without changing any
+    parameter; gradients and learning rates are put back as they were."""
+    params = params_in_order(opt)
+    chosen = {i for i in indices if 0 <= i < len(params)}
+    grads = [p.grad for p in params]
+    rates = [(g, g["lr"]) for g in opt.param_groups if "lr" in g]
+    try:
+        for i, p in enumerate(params):
+            p.grad = torch.zeros_like(p) if i in chosen and p.requires_grad else None
+        for group, lr in rates:
+            group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        opt.step()
+    finally:
+        for group, lr in rates:
+            group["lr"] = lr
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g

@@ -1,0 +1,67 @@
+"""An FSDP2 trainer for the tests: ``fsdp2_trainer.py save|restore RESULT``.
+
+``save`` trains steps 1-3 of a small model sharded per layer with ``fully_shard``, saving
+each with the two-line API, then takes step 4. ``restore`` builds the model and a fresh
+AdamW from another seed, restores (the newest step must be 3) and takes step 4. Rank 0
+writes the full parameters after step 4 to RESULT, so the two runs can be compared bit for
+bit. A restore that fails writes its error to RESULT instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from flashckpt import Checkpointer
+
+
+def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def main() -> None:
+    phase, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    ckpt = Checkpointer(f"file://{os.environ['FSDP_TIER']}")
+    model, opt = build(0 if phase == "save" else 1)
+    result: dict = {}
+    if phase == "save":
+        for step in range(1, 4):
+            train_step(model, opt, step)
+            ckpt.save(step, {"model": model, "optim": opt, "step": step})
+    else:
+        state = {"model": model, "optim": opt, "step": 0}
+        try:
+            result["restored"] = ckpt.restore(state)
+        except Exception as exc:  # the test reads what a user would see
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    if "error" not in result:
+        train_step(model, opt, 4)
+        result["params"] = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    ckpt.close()
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
