@@ -20,6 +20,7 @@ from .errors import (
     TierUnavailableError,
 )
 from .manifest import FORMAT_VERSION
+from .rng import RNG
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "FlashCkptError",
     "ManifestError",
     "PickleNotAllowedError",
+    "RNG",
     "RankBusyError",
     "SharedMemoryError",
     "StateMismatchError",
