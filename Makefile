@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# Pin exactly the build just installed (e.g. 2.13.0+cpu), so resolving the rest never
 	# backtracks into another torch build.
 	$(VENV)/bin/pip install -q -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	# DeepSpeed ships as source: built against this torch, with no ops compiled (CPU runs).
+	$(VENV)/bin/pip install -q setuptools wheel
+	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q --no-build-isolation deepspeed==0.19.8 \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
 setup: $(STAMP)
