@@ -6,7 +6,10 @@ newest one every rank holds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
 
 
 def _world() -> int:
@@ -44,6 +47,22 @@ def newest_common(steps: Iterable[int]) -> int | None:
     sets = [set(s) for s in gather(sorted(set(steps)))]  # type: ignore[arg-type]
     common = set.intersection(*sets) if sets else set()
     return max(common) if common else None
+
+
+def warn_if_some_hold_none(holds: bool, job: str) -> None:
+    """Say so when some ranks hold steps and others none: no step is common, so every rank
+    starts over, which is right for a first save cut short and a loss of progress otherwise."""
+    holders = gather(bool(holds))
+    if any(holders) and not all(holders):
+        empty = [r for r, h in enumerate(holders) if not h]
+        log.warning(
+            "job %s: ranks %s hold no snapshot while %d other ranks do, so every rank starts "
+            "over. If the job was restarted with more ranks than it saved with, restart it "
+            "with %d (restoring a rank from another rank's copy, or resharding, is not "
+            "supported yet); if a node lost its memory and node-local tiers, give the job a "
+            "shared tier (pfs://, s3://) to restore from",
+            job, empty, len(holders) - len(empty), len(holders) - len(empty),
+        )  # fmt: skip
 
 
 def all_true(flag: bool, error: BaseException | None = None) -> bool:

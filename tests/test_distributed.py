@@ -64,3 +64,35 @@ def test_dtensor_shards_and_ranks_agree_on_a_step(shm_dir, tmp_path):
     assert all(r["ok"] for r in rows)
     assert [r["offset"] for r in rows] == [[0, 0], [5, 0]]
     assert all(r["global_shape"] == [10, 6] and r["placements"] == ["Shard(dim=0)"] for r in rows)
+
+
+def resize_run(ranks: int, url: str) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(ROOT / "tests" / "resize_trainer.py"), url, "3"],
+        capture_output=True, text=True, env={**os.environ, "FLASHCKPT_JOB": "resize"},
+        cwd=ROOT, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def reports(out: subprocess.CompletedProcess) -> dict[int, dict[str, str]]:
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("rank ")]
+    return {int(r[1]): dict(zip(r[2::2], r[3::2], strict=True)) for r in rows}
+
+
+@pytest.mark.slow
+def test_a_ddp_job_restarted_at_another_world_size(shm_dir, run_dir, tmp_path):
+    """Two ranks save steps 0-2. One rank restores step 2, saves 3-5, they are persisted and
+    close() returns promptly. Three ranks: the new rank holds nothing, so no step is common;
+    every rank starts over, and the log says why and what to do."""
+    url = f"file://{tmp_path / 'tier'}"
+    resize_run(2, url)
+    one = reports(resize_run(1, url))
+    assert one[0]["restored"] == "2" and one[0]["last"] == "5", one
+    assert float(one[0]["close"]) < 10, one
+    assert (tmp_path / "tier" / "resize" / "step-000000000005").is_dir()
+    three = resize_run(3, url)
+    assert {r["restored"] for r in reports(three).values()} == {"None"}
+    assert "ranks [2] hold no snapshot while 2 other ranks do" in three.stderr
