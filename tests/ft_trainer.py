@@ -83,7 +83,8 @@ def main() -> None:
 
     ckpt = Checkpointer(*tiers)
     restored = ckpt.restore(state)
-    print(f"restored {rank} {restored}", flush=True)
+    sys.stdout.write(f"restored {rank} {restored}\n")  # one write: lines of ranks never mix
+    sys.stdout.flush()
     for step in range(0 if restored is None else restored + 1, STEPS):
         g = torch.Generator().manual_seed(step * 100 + rank)
         x = torch.randn(8, 16, generator=g)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,14 +49,13 @@ class Run:
     digest: str | None
 
     def restored(self) -> list[tuple[int, str]]:
-        """(rank, step) of every ``restored`` line, in order, over both nodes."""
-        out = []
-        for text in self.logs:
-            for line in text.splitlines():
-                parts = line.split()
-                if len(parts) >= 3 and parts[-3].endswith("restored"):
-                    out.append((int(parts[-2]), parts[-1]))
-        return out
+        """(rank, step) of every ``restored`` report, in order, over both nodes (two workers'
+        reports can share a line of the launcher's output)."""
+        return [
+            (int(rank), step)
+            for text in self.logs
+            for rank, step in re.findall(r"restored (\d+) (None|\d+)", text)
+        ]
 
 
 class Cluster:
