@@ -387,8 +387,7 @@ class Checkpointer:
                      allow: bool) -> int | None:  # fmt: skip
         """Load the newest step of ``mine`` every rank can get (or ``step``); the step."""
         candidates = set(mine)
-        if step is None:
-            group.warn_if_some_hold_none(bool(candidates), self.job)
+        group.warn_if_some_hold_none(bool(candidates), self.job, asked=step)
         while True:
             choice = group.newest_common(candidates) if step is None else step
             if choice is None:

@@ -49,9 +49,12 @@ def newest_common(steps: Iterable[int]) -> int | None:
     return max(common) if common else None
 
 
-def warn_if_some_hold_none(holds: bool, job: str) -> None:
+def warn_if_some_hold_none(holds: bool, job: str, asked: int | None = None) -> None:
     """Say so when some ranks hold steps and others none: no step is common, so every rank
-    starts over, which is right for a first save cut short and a loss of progress otherwise."""
+    starts over, which is right for a first save cut short and a loss of progress otherwise.
+    A restore of a step ``asked`` for fails on its own, and warns of nothing."""
+    if asked is not None:
+        return
     holders = gather(bool(holds))
     if any(holders) and not all(holders):
         empty = [r for r, h in enumerate(holders) if not h]
