@@ -51,6 +51,20 @@ def run_python(
     return proc
 
 
+def torchrun(
+    ranks: int, script, *args, env: dict, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``script`` under ``torch.distributed.run --standalone`` with ``ranks`` local ranks (gloo
+    workers in new processes); fail with the end of its output unless it succeeds."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", str(script), *map(str, args)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
 @pytest.fixture
 def run_dir(monkeypatch, tmp_path) -> Path:
     """A private agent run directory; agents left running by the test are stopped after it."""

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 pytest.importorskip("deepspeed")
 TRAINER = ROOT / "tests" / "ds_trainer.py"
 
 
-def torchrun(ranks: int, *args, env: dict) -> dict:
-    out = args[-1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(TRAINER), *map(str, args)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+def run(ranks: int, *args, env: dict) -> dict:
+    torchrun(ranks, TRAINER, *args, env=env)
+    return json.loads(args[-1].read_text())
 
 
 @pytest.fixture
@@ -41,8 +33,8 @@ def test_a_fresh_engine_loads_the_flash_checkpoint_and_takes_the_same_step(
     parameters bit-identical to the run that never stopped. The directory holds DeepSpeed's
     layout; its files point at the steps the agent persisted under ``.flashckpt``."""
     directory = tmp_path / "ckpt"
-    saved = torchrun(ranks, stage, "save", directory, tmp_path / "saved.json", env=ds_env)
-    loaded = torchrun(ranks, stage, "load", directory, tmp_path / "loaded.json", env=ds_env)
+    saved = run(ranks, stage, "save", directory, tmp_path / "saved.json", env=ds_env)
+    loaded = run(ranks, stage, "load", directory, tmp_path / "loaded.json", env=ds_env)
     assert (directory / "latest").read_text() == "global_step3"
     assert loaded["client"] == {"step": 3} and "global_step3" in loaded["path"]
     assert loaded["params"] == saved["params"]
@@ -57,6 +49,6 @@ def test_a_fresh_engine_loads_the_flash_checkpoint_and_takes_the_same_step(
 @pytest.mark.slow
 def test_a_checkpoint_deepspeed_wrote_itself_still_loads_after_attach(ds_env, tmp_path):
     directory = tmp_path / "plain"
-    saved = torchrun(1, 2, "plain", directory, tmp_path / "saved.json", env=ds_env)
-    loaded = torchrun(1, 2, "load", directory, tmp_path / "loaded.json", env=ds_env)
+    saved = run(1, 2, "plain", directory, tmp_path / "saved.json", env=ds_env)
+    loaded = run(1, 2, "load", directory, tmp_path / "loaded.json", env=ds_env)
     assert loaded["client"] == {"step": 3} and loaded["params"] == saved["params"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 WORKER = textwrap.dedent(
     """
@@ -54,11 +53,7 @@ def test_dtensor_shards_and_ranks_agree_on_a_step(shm_dir, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "FLASHCKPT_JOB": "dist", "RESULT_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=180,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
+    torchrun(2, script, env=env, timeout=180)
     rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in rows] == [4, 4]  # the newest step both ranks hold
     assert all(r["ok"] for r in rows)
@@ -67,14 +62,8 @@ def test_dtensor_shards_and_ranks_agree_on_a_step(shm_dir, tmp_path):
 
 
 def resize_run(ranks: int, url: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(ranks), str(ROOT / "tests" / "resize_trainer.py"), url, "3"],
-        capture_output=True, text=True, env={**os.environ, "FLASHCKPT_JOB": "resize"},
-        cwd=ROOT, timeout=180,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out
+    env = {**os.environ, "FLASHCKPT_JOB": "resize"}
+    return torchrun(ranks, ROOT / "tests" / "resize_trainer.py", url, 3, env=env, timeout=180)
 
 
 def reports(out: subprocess.CompletedProcess) -> dict[int, dict[str, str]]:

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 TRAINER = ROOT / "tests" / "fsdp2_trainer.py"
 
 
-def torchrun(ranks: int, phase: str, out, env: dict) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(TRAINER), phase, str(out)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def run(ranks: int, phase: str, out, env: dict) -> dict:
+    torchrun(ranks, TRAINER, phase, out, env=env, timeout=240)
     return json.loads(out.read_text())
 
 
@@ -29,9 +22,9 @@ def test_fsdp2_restores_into_a_fresh_model_and_optimizer(shm_dir, run_dir, tmp_p
     yet): restore() brings back step 3 and the next step's parameters are bit-identical to
     the uninterrupted run's. A restore at another world size is refused with what to do."""
     env = {**os.environ, "FLASHCKPT_JOB": "fsdp2", "FSDP_TIER": str(tmp_path / "tier")}
-    saved = torchrun(2, "save", tmp_path / "saved.json", env)
-    resumed = torchrun(2, "restore", tmp_path / "resumed.json", env)
+    saved = run(2, "save", tmp_path / "saved.json", env)
+    resumed = run(2, "restore", tmp_path / "resumed.json", env)
     assert resumed["restored"] == 3
     assert resumed["params"] == saved["params"]  # floats through JSON: exact, bit for bit
-    alone = torchrun(1, "restore", tmp_path / "alone.json", env)
+    alone = run(1, "restore", tmp_path / "alone.json", env)
     assert "resharding is not supported" in alone.get("error", ""), alone
