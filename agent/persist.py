@@ -272,7 +272,12 @@ class TierWorker:
                     )  # fmt: skip
                 return None
             limit = asyncio.Semaphore(self.rank_concurrency)
-            done = await asyncio.gather(*(self._persist_snapshot(s, limit) for s in snaps))
+            done = await asyncio.gather(
+                *(
+                    self._persist_snapshot(s, limit, self._primary(s.manifest, required))
+                    for s in snaps
+                )
+            )
         written = sum(done)
         await tier_io.commit_step(
             self.tier, self.job, step[1], self.node, sorted(required), world or len(required),
@@ -324,7 +329,22 @@ class TierWorker:
             and time.monotonic() - self._last_persist_time < self.every_seconds
         )
 
-    async def _persist_snapshot(self, snap: Snapshot, limit: asyncio.Semaphore) -> int:
+    def _primary(self, manifest: Manifest, here: set[int]) -> int | None:
+        """The rank that stores the replicated entries of ``manifest``'s replica group in this
+        tier: the group's first rank in a shared tier, its first rank on this node in a
+        node-local one (every rank here is stored in the same round, before the commit)."""
+        if manifest.replicas is None:
+            return None
+        group = range(*manifest.replicas)
+        if manifest.rank not in group:
+            return None
+        if self.tier.spec.scope is Scope.NODE:
+            return min(r for r in group if r in here or r == manifest.rank)
+        return group[0]
+
+    async def _persist_snapshot(
+        self, snap: Snapshot, limit: asyncio.Semaphore, primary: int | None
+    ) -> int:
         """Store one rank's locked snapshot, straight from the mapping; the bytes written."""
         async with limit:
             manifest: Manifest = snap.manifest
@@ -335,7 +355,7 @@ class TierWorker:
                         chunk_checksums, data, manifest.entries, manifest.chunk_size
                     )
                     manifest = manifest.with_checksums(sums)
-                return await tier_io.write_rank(self.tier, manifest, data)
+                return await tier_io.write_rank(self.tier, manifest, data, primary)
             finally:
                 del data  # no export of the mapping outlives the round
 

@@ -176,5 +176,33 @@ class AgentClient:
             ).tiers
         )
 
+    def wait_persisted(
+        self, rank: int, step: int, generation: int, timeout: float, **shape: int
+    ) -> bool:
+        """Tell the agent ``step`` is the rank's last (it goes out through any throttle), then
+        wait up to ``timeout`` seconds until every tier committed it or is failing. True if
+        every tier has it."""
+        if not self.notify(rank, step, True, generation=generation, **shape):
+            return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                status = self.tier_status()
+            except Exception as exc:
+                log.warning(
+                    "the agent does not answer (%s); step %d stays in shared memory", exc, step
+                )
+                return False
+            behind = [t for t in status
+                      if (t.last_committed_generation, t.last_committed_step) < (generation, step)]  # fmt: skip
+            if all(t.last_error for t in behind):  # every tier has it, or is failing
+                for t in behind:
+                    log.error("step %d is not persisted in %s: %s", step, t.url, t.last_error)
+                return not behind
+            time.sleep(0.05)
+        log.warning("tiers still persisting step %d after %.0fs; the agent finishes and frees "
+                    "the slots", step, timeout)  # fmt: skip
+        return False
+
     def close(self) -> None:
         self.channel.close()

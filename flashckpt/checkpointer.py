@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +20,7 @@ from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
 from .heartbeat import Heartbeat, Phase
 from .lineage import Lineage, newest
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
+from .replicas import ReplicaFinder
 from .safe_paths import write_atomic
 from .sealer import Sealer
 from .slot import HEADER_SIZE, Slot, required_capacity
@@ -52,7 +53,10 @@ class Checkpointer:
         allow_pickle: bool = False,
         verify: bool = True,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        replicated: bool | Collection[str] | None = None,
     ) -> None:
+        """``replicated``: which top-level keys of the state every rank holds the same (stored
+        once per replica group); None finds DDP's, False stores every rank's copy."""
         from .storage_tiers import parse_spec
 
         for t in tiers:
@@ -74,6 +78,7 @@ class Checkpointer:
         self.chunk_size = chunk_size
         self.skipped = 0  # snapshots dropped: a reader held the only slot they could go to
 
+        self._replicas = ReplicaFinder(replicated)
         self._pair = SlotPair(self.shm_dir, self.job, self.rank)
         self._layout: Layout | None = None
         self._sealer = Sealer()
@@ -100,12 +105,14 @@ class Checkpointer:
         began = time.perf_counter()
         with self._lock:
             self._check_open()
-            tree, leaves = flatten(state)
+            keys, replicas = self._replicas(state)
+            tree, leaves = flatten(state, keys)
             layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
             manifest = Manifest(
                 self.job, self.rank, step, tree, layout.entries, layout.data_len,
                 chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
                 lineage=self._lineage or Lineage(),
+                replicas=replicas if any(lf.replicated for lf in leaves) else None,
             )  # fmt: skip
             raw = manifest.to_json()
             self._connect_agent()
@@ -183,7 +190,7 @@ class Checkpointer:
         allow = self.allow_pickle if allow_pickle is None else allow_pickle
         with self._lock, self._released_on_error():
             self._check_open()
-            tree, leaves = flatten(state)
+            tree, leaves = flatten(state, self._replicas(state)[0])
             layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
             raw = Manifest(self.job, self.rank, 0, tree, layout.entries, layout.data_len).to_json()
             capacity = required_capacity(layout.data_len, len(raw), layout.n_chunks) + max(
@@ -458,35 +465,10 @@ class Checkpointer:
         """Wait (up to close_timeout) until every tier committed the last step or is failing."""
         if not self.tiers or self._last_saved is None or self._agent is None:
             return True
-        step = self._last_saved
-        gen = self.generation
         shape = {"world_size": group.world_size(), "local_world_size": config.local_world_size()}
-        if not self._agent.notify(
-            self.rank, step, True, generation=gen, **shape
-        ):  # final: through any throttle
-            return False
-        deadline = time.monotonic() + self.close_timeout
-        while time.monotonic() < deadline:
-            try:
-                status = self._agent.tier_status()
-            except Exception as exc:
-                log.warning(
-                    "the agent does not answer (%s); step %d stays in shared memory", exc, step
-                )
-                return False
-            behind = [
-                t
-                for t in status
-                if (t.last_committed_generation, t.last_committed_step) < (gen, step)
-            ]
-            if all(t.last_error for t in behind):  # every tier has it, or is failing
-                for t in behind:
-                    log.error("step %d is not persisted in %s: %s", step, t.url, t.last_error)
-                return not behind
-            time.sleep(0.05)
-        log.warning("tiers still persisting step %d after %.0fs; the agent finishes and frees the slots",
-                    step, self.close_timeout)  # fmt: skip
-        return False
+        return self._agent.wait_persisted(
+            self.rank, self._last_saved, self.generation, self.close_timeout, **shape
+        )
 
 
 def _on_device(leaves: list[Leaf]) -> bool:

@@ -40,6 +40,7 @@ class Leaf:
     kind: str  # "tensor" | "ndarray" | "pickle"
     tensor: torch.Tensor
     shard: ShardInfo | None = None
+    replicated: bool = False  # the same bytes on every rank of the job's replica group
 
 
 def join(path: str, key: Any) -> str:
@@ -136,12 +137,22 @@ class Flattener:
             ) from None
 
 
-def flatten(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
+def flatten(
+    state: Mapping[str, Any], replicated: frozenset[str] = frozenset()
+) -> tuple[Any, list[Leaf]]:
+    """The manifest tree of ``state`` and its leaves; the tensors under the top-level keys
+    in ``replicated`` are marked as the same on every rank of the replica group."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
     f = Flattener()
-    tree = f.node(state, "")
-    return tree, f.leaves
+    items = []
+    for key, value in state.items():
+        first = len(f.leaves)
+        items.append([f.key(key, ""), f.node(value, join("", key), 1)])
+        if key in replicated:
+            for leaf in f.leaves[first:]:
+                leaf.replicated = leaf.kind == "tensor" and leaf.shard is None
+    return {"t": "dict", "items": items}, f.leaves
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,15 @@ class Layout:
 
 def signature(leaves: list[Leaf]) -> tuple:
     return tuple(
-        (lf.path, lf.kind, lf.tensor.dtype, tuple(lf.tensor.shape), lf.tensor.device.type, lf.shard)
+        (
+            lf.path,
+            lf.kind,
+            lf.tensor.dtype,
+            tuple(lf.tensor.shape),
+            lf.tensor.device.type,
+            lf.shard,
+            lf.replicated,
+        )
         for lf in leaves
     )
 
@@ -174,6 +193,7 @@ def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = Non
         entry = Entry(
             path=lf.path, kind=lf.kind, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
             offset=offset, nbytes=nbytes, first_chunk=chunk, shard=lf.shard, device=t.device.type,
+            replicated=lf.replicated,
         )  # fmt: skip
         entries.append(entry)
         chunk += entry.n_chunks(chunk_size)

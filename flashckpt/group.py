@@ -60,10 +60,10 @@ def warn_if_some_hold_none(holds: bool, job: str, asked: int | None = None) -> N
         empty = [r for r, h in enumerate(holders) if not h]
         log.warning(
             "job %s: ranks %s hold no snapshot while %d other ranks do, so every rank starts "
-            "over. If the job was restarted with more ranks than it saved with, restart it "
-            "with %d (restoring a rank from another rank's copy, or resharding, is not "
-            "supported yet); if a node lost its memory and node-local tiers, give the job a "
-            "shared tier (pfs://, s3://) to restore from",
+            "over. If the job was restarted with more ranks than it saved with, a new rank "
+            "restores only DDP replicas or DTensor shards, from a tier holding the step of every "
+            "rank that saved it; restart with %d ranks otherwise. If a node lost its memory and "
+            "node-local tiers, give the job a shared tier (pfs://, s3://) to restore from",
             job, empty, len(holders) - len(empty), len(holders) - len(empty),
         )  # fmt: skip
 

@@ -19,7 +19,9 @@ import torch
 from .errors import ManifestError
 from .lineage import Lineage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added replicated entries (``replicated``, ``stored_at``, ``replicas``); a
+version-1 manifest is read as one without them."""
 DEFAULT_CHUNK_SIZE = 4 * 2**20
 
 # Every dtype torch can hand us, by its short name ("float32", "float8_e4m3fn", ...).
@@ -67,6 +69,8 @@ class Entry:
     checksums: tuple[int, ...] | None = None
     shard: ShardInfo | None = None
     device: str = "cpu"
+    replicated: bool = False  # the same bytes on every rank of the manifest's ``replicas``
+    stored_at: int | None = None  # a stored copy: the bytes are in this rank's data instead
 
     def n_chunks(self, chunk_size: int) -> int:
         return -(-self.nbytes // chunk_size)
@@ -74,6 +78,10 @@ class Entry:
     def to_doc(self) -> dict:
         """This entry as the JSON object the manifest stores."""
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.replicated:
+            del doc["replicated"]
+        if self.stored_at is None:
+            del doc["stored_at"]
         if self.shard is not None:
             doc["shard"] = {f.name: getattr(self.shard, f.name) for f in fields(self.shard)}
         return doc
@@ -101,6 +109,8 @@ class Manifest:
     world_size: int | None = None
     meta: dict = field(default_factory=dict)
     lineage: Lineage = Lineage()  # the branch of the job's history this step belongs to
+    # range(start, stop, step) of the ranks whose ``replicated`` entries are identical
+    replicas: tuple[int, int, int] | None = None
 
     @property
     def generation(self) -> int:
@@ -134,6 +144,8 @@ class Manifest:
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["entries"] = [e.to_doc() for e in self.entries]
         doc["lineage"] = self.lineage.to_doc()
+        if self.replicas is None:
+            del doc["replicas"]
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -175,9 +187,11 @@ MAX_NDIM = 64
 _MAX_DIM = 2**63  # torch sizes are int64
 _KINDS = ("tensor", "ndarray", "pickle")
 _REQUIRED = {"format_version", "job", "rank", "step", "tree", "entries", "data_len"}
-_OPTIONAL = {"chunk_size", "checksum_algorithm", "created_at", "world_size", "meta", "lineage"}
+_OPTIONAL = {
+    "chunk_size", "checksum_algorithm", "created_at", "world_size", "meta", "lineage", "replicas",
+}  # fmt: skip
 _ENTRY_REQUIRED = {"path", "kind", "dtype", "shape", "offset", "nbytes", "first_chunk"}
-_ENTRY_OPTIONAL = {"checksums", "shard", "device"}
+_ENTRY_OPTIONAL = {"checksums", "shard", "device", "replicated", "stored_at"}
 _SHARD_FIELDS = {"global_shape", "global_offset", "placements", "mesh_shape"}
 _CONTAINERS = ("dict", "list", "tuple", "stateful")
 _SCALAR_TAGS = ("float", "dtype", "device", "bytes")
@@ -282,7 +296,18 @@ class _Checker:
             data_len=data_len, chunk_size=chunk_size, format_version=version,
             checksum_algorithm=algorithm, created_at=created_at, world_size=world_size, meta=meta,
             lineage=Lineage.from_doc(doc.get("lineage"), self.source),
+            replicas=self.replicas(doc.get("replicas")),
         )  # fmt: skip
+
+    def replicas(self, doc: Any) -> tuple[int, int, int] | None:
+        if doc is None:
+            return None
+        if not (isinstance(doc, list) and len(doc) == 3 and all(_is_int(v) for v in doc)
+                and 0 <= doc[0] < doc[1] <= 2**31 and doc[2] >= 1):  # fmt: skip
+            raise self.fail(
+                f"replicas must be [start, stop, step] of a range of ranks, found {_show(doc)}"
+            )
+        return (doc[0], doc[1], doc[2])
 
     def shape(self, value: Any, what: str, low: int = 0) -> tuple[int, ...]:
         if not isinstance(value, list) or len(value) > MAX_NDIM:
@@ -321,7 +346,16 @@ class _Checker:
                 f"{what}: nbytes must be numel x itemsize = {math.prod(shape)} x {itemsize} for "
                 f"shape {list(shape)} {name}, found {nbytes}"
             )
-        if offset + nbytes > data_len or offset % itemsize:
+        replicated, stored_at = doc.get("replicated", False), doc.get("stored_at")
+        if type(replicated) is not bool:
+            raise self.fail(f"{what}: replicated must be true or false, found {_show(replicated)}")
+        if stored_at is not None:  # its bytes are in another rank's data: none here
+            if not (_is_int(stored_at) and 0 <= stored_at < 2**31) or not replicated or offset:
+                raise self.fail(
+                    f"{what}: stored_at must name a rank for a replicated entry at offset 0, "
+                    f"found {_show(stored_at)} (replicated {replicated}, offset {offset})"
+                )
+        elif offset + nbytes > data_len or offset % itemsize:
             raise self.fail(
                 f"{what}: bytes {offset}-{offset + nbytes} must lie inside the {data_len} bytes "
                 f"of data, starting at a multiple of {itemsize}"
@@ -353,6 +387,7 @@ class _Checker:
             path=path, kind=kind, dtype=name, shape=shape, offset=offset, nbytes=nbytes,
             first_chunk=first_chunk, checksums=None if sums is None else tuple(sums),
             shard=self.shard(doc.get("shard"), what, len(shape)), device=device,
+            replicated=replicated, stored_at=stored_at,
         )  # fmt: skip
 
     def shard(self, doc: Any, what: str, ndim: int) -> ShardInfo | None:

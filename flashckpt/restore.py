@@ -25,7 +25,8 @@ from . import optim_state
 from .checksum import chunk_mismatch, crc, verify_entry
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from .flatten import DTensor, copy_into, is_stateful, join, tensor_source
-from .manifest import Entry, Manifest, decode_scalar, dtype_from_name
+from .manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
+from .reshard import Resharder
 
 Producer = Callable[["Source"], Any]
 MAX_LISTED = 10
@@ -130,9 +131,10 @@ def _decode_key(node: Any) -> Any:
 
 
 class Planner:
-    def __init__(self, manifest: Manifest, allow_pickle: bool):
+    def __init__(self, manifest: Manifest, allow_pickle: bool, resharder: Resharder | None = None):
         self.m = manifest
         self.allow_pickle = allow_pickle
+        self.resharder = resharder  # DTensors laid out otherwise than saved are asked of it
         self.mismatches: list[Mismatch] = []
         self.pickled: list[str] = []
         self.replaced = 0  # leaves that are not in-place tensor copies
@@ -228,6 +230,9 @@ class Planner:
 
     def _tensor(self, e: Entry, target: torch.Tensor, path: str) -> Producer:
         local, shard = tensor_source(target, path)
+        dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
+        if shard is not None and e.shard is not None and shard != e.shard:
+            return self._resharded(e, target, dst, shard, path)
         if e.kind != "tensor":
             self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
         if e.dtype != str(local.dtype).removeprefix("torch."):
@@ -240,19 +245,30 @@ class Planner:
                     path, "shape", f"{tuple(e.shape)} in snapshot, {tuple(local.shape)} in state"
                 )
             )
-        if shard is not None and e.shard is not None and shard != e.shard:
-            self.mismatches.append(
-                Mismatch(
-                    path,
-                    "shard",
-                    f"saved as {e.shard}, restoring as {shard}; resharding is not supported",
-                )
-            )
         cs = self.m.chunk_size
-        dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
 
         def produce(src: Source) -> Any:
             src.copy_to(dst, e, cs)
+            return target
+
+        return produce
+
+    def _resharded(self, e: Entry, target: torch.Tensor, dst: torch.Tensor, shard: ShardInfo,
+                   path: str) -> Producer:  # fmt: skip
+        """A DTensor whose block differs from the one saved: assembled from the old shards."""
+        if e.dtype != dtype_name(dst.dtype):
+            problem = f"{e.dtype} in snapshot, {dst.dtype} in state"
+        elif self.resharder is None:
+            problem = (f"saved as {e.shard}, restoring as {shard}; resharding reads every rank's "
+                       "shard from a tier that holds them all (a shared tier)")  # fmt: skip
+        else:
+            problem = self.resharder.want(path, e, shard, tuple(dst.shape))
+        if problem:
+            self.mismatches.append(Mismatch(path, "shard", problem))
+
+        def produce(src: Source) -> Any:
+            assert self.resharder is not None
+            copy_into(dst, self.resharder.block(path))
             return target
 
         return produce
@@ -344,11 +360,16 @@ def _kind(node: Any) -> str:
     return type(node).__name__
 
 
-def plan(manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool) -> Producer:
-    """Check ``state`` against ``manifest``; raise listing every problem, or return the loader."""
+def plan(
+    manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool,
+    resharder: Resharder | None = None,
+) -> Producer:  # fmt: skip
+    """Check ``state`` against ``manifest``; raise listing every problem, or return the loader.
+    DTensors laid out otherwise than saved are asked of ``resharder`` (a mismatch without
+    one), which must fetch them before the loader runs."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
-    planner = Planner(manifest, allow_pickle)
+    planner = Planner(manifest, allow_pickle, resharder)
     producer = planner.match(manifest.tree, state, "", lenient=False)
     where = f"snapshot of step {manifest.step} (job {manifest.job}, rank {manifest.rank})"
     if planner.mismatches:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from . import tier_io
+from . import group, tier_io
 from .errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -28,6 +28,7 @@ from .errors import (
     TierUnavailableError,
 )
 from .lineage import Lineage, newest
+from .reshard import Resharder, per_rank, portable
 from .restore import Source, plan, run
 from .slots import SlotPair, read_locked
 
@@ -61,13 +62,21 @@ class MemorySource:
         self.pair, self.verify = pair, verify
 
     def snapshots(self) -> dict[Key, Lineage]:
-        """This rank's READY snapshots, with the branch each belongs to."""
+        """This rank's READY snapshots, with the branch each belongs to; not those of DTensor
+        shards saved at another world size (resharding reads every old rank's from a tier)."""
         out: dict[Key, Lineage] = {}
+        world = group.world_size()
         for slot in self.pair.ready():
             try:
                 with read_locked(slot) as snap:
-                    if snap is not None:
-                        out[snap.generation, snap.step] = snap.manifest.lineage
+                    if snap is None:
+                        continue
+                    m = snap.manifest
+                    if m.world_size not in (None, world) and any(e.shard for e in m.entries):
+                        log.info("step %d in shared memory was saved by %d ranks, not %d: its "
+                                 "shards are resharded from a tier", m.step, m.world_size, world)  # fmt: skip
+                        continue
+                    out[snap.generation, snap.step] = m.lineage
             except CORRUPT_COPY as exc:  # holds nothing readable: not a candidate
                 log.warning("%s", exc)
         return out
@@ -111,16 +120,36 @@ class TierSource:
 
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials
+        self.world = group.world_size()
+        self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
 
     def snapshots(self, whole: bool = False) -> dict[Key, Lineage]:
         """Committed steps that include this rank (a node-local tier holds only its node's),
         or with ``whole`` those committed for every rank of the job, with the branch each
-        belongs to."""
+        belongs to. A rank the job that saved a step did not have (it grew) holds the step
+        if another rank's copy is portable: replicas of the whole job, or DTensor shards."""
 
         async def go(tier) -> dict[Key, Lineage]:
             listing = await tier_io.list_steps(tier, self.job)
-            return {k: c.lineage for k, c in listing.items()
-                    if c and (c.complete if whole else self.rank in c.ranks)}  # fmt: skip
+            out = {}
+            for k, c in listing.items():
+                if c is None or (whole and not c.complete):
+                    continue
+                if whole:
+                    out[k] = c.lineage
+                    continue
+                if self.rank in c.ranks:
+                    self._saved_by[k] = (self.rank, c.world_size)
+                elif (
+                    c.complete
+                    and self.rank >= c.world_size
+                    and await self._stand_in(tier, k, c.world_size)
+                ):
+                    self._saved_by[k] = (self.rank % c.world_size, c.world_size)
+                else:
+                    continue
+                out[k] = c.lineage
+            return out
 
         try:
             return run_with_tier(self.url, go)
@@ -133,19 +162,34 @@ class TierSource:
     def steps(self, lineage: Lineage | None = None, whole: bool = False) -> set[int]:
         return steps_of(self.snapshots(whole), lineage)
 
+    async def _stand_in(self, tier, key: Key, world: int) -> bool:
+        gen, step = key
+        try:
+            m = await tier_io.read_manifest(tier, self.job, step, self.rank % world, gen)
+        except (*CORRUPT_COPY, OSError) as exc:
+            log.warning("%s: step %d cannot stand in for rank %d: %s", self.name, step,
+                        self.rank, exc)  # fmt: skip
+            return False
+        return portable(m, world)
+
     def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
         gen, step = key
-        where = f"{self.name} step {step} rank {self.rank}" + (f" generation {gen}" if gen else "")
+        rank, world = self._saved_by.get(key, (self.rank, self.world))
+        where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
+        resharder = Resharder() if world != self.world else None
         try:
             manifest, data = run_with_tier(
-                self.url, lambda t: tier_io.read_rank(t, self.job, step, self.rank, gen)
+                self.url, lambda t: tier_io.read_rank(t, self.job, step, rank, gen)
             )
-        except (*CORRUPT_COPY, OSError) as exc:  # OSError: the tier's own I/O failed
-            log.warning("%s cannot be read: %s", where, exc)
+            producer = plan(manifest, state, allow_pickle, resharder)
+            if resharder is not None and resharder.wants:
+                run_with_tier(self.url, lambda t: resharder.fetch(t, self.job, step, gen, world))
+            run(producer, Source(data, where, self.verify))
+        except (*CORRUPT_COPY, OSError) as exc:  # a bad copy (or the tier's I/O failed)
+            log.warning("%s cannot be restored: %s", where, exc)
             return False
-        try:
-            run(plan(manifest, state, allow_pickle), Source(data, where, self.verify))
-        except CORRUPT_COPY as exc:  # a corrupt copy: try the next
-            log.warning("%s", exc)
-            return False
+        if rank != self.rank and (own := per_rank(manifest)):
+            log.warning("rank %d was not in the %d-rank job that saved step %d: it restored rank "
+                        "%d's copy, whose %d per-rank tensors (the first %r) are rank %d's own",
+                        self.rank, world, step, rank, len(own), own[0], rank)  # fmt: skip
         return True

@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import layout
 from .errors import ManifestError
 from .lineage import Lineage, newest
-from .manifest import Manifest
+from .manifest import Entry, Manifest
+from .slot import align
 from .storage_tiers.base import TEMP_GRACE_S
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,35 @@ def _chunks(data: memoryview, size: int = WRITE_CHUNK) -> Iterator[memoryview]:
         yield data[start : start + size]
 
 
-async def write_rank(tier, manifest: Manifest, data: memoryview) -> int:
-    """Put one rank's data, then its manifest (which commits the rank). Returns bytes written."""
+def without_replicas(
+    manifest: Manifest, data: memoryview, primary: int
+) -> tuple[Manifest, memoryview]:
+    """The copy of a rank's shard to store when rank ``primary`` stores its replicated entries:
+    those point at ``primary`` (``stored_at``), the rest are packed into new data."""
+    kept = [e for e in manifest.entries if not e.replicated]
+    packed = bytearray(sum(align(e.nbytes) for e in kept))
+    entries, at = [], 0
+    for e in manifest.entries:
+        if e.replicated:
+            entries.append(replace(e, offset=0, stored_at=primary))
+            continue
+        packed[at : at + e.nbytes] = data[e.offset : e.offset + e.nbytes]
+        entries.append(replace(e, offset=at))
+        at = align(at + e.nbytes)
+    return replace(manifest, entries=tuple(entries), data_len=len(packed)), memoryview(packed)
+
+
+async def write_rank(tier, manifest: Manifest, data: memoryview, primary: int | None = None) -> int:
+    """Put one rank's data, then its manifest (which commits the rank). With ``primary``
+    (another rank of the manifest's replica group, which stores the replicated entries in
+    this tier), only the rank's own entries are put. Returns bytes written."""
     job, step, rank, gen = manifest.job, manifest.step, manifest.rank, manifest.generation
     if not manifest.sealed:
         raise ManifestError(
             f"step {step} rank {rank}: a manifest must carry its checksums before it is stored"
         )
+    if primary is not None and primary != rank and any(e.replicated for e in manifest.entries):
+        manifest, data = without_replicas(manifest, data, primary)
     await tier.put(layout.data_key(job, step, rank, gen), list(_chunks(data)), len(data))
     raw = manifest.to_json()
     await tier.put(layout.manifest_key(job, step, rank, gen), [memoryview(raw)], len(raw))
@@ -132,14 +155,10 @@ async def committed_steps(tier, job: str, lineage: Lineage | None = None) -> lis
     return sorted(in_lineage(listing, head(listing) if lineage is None else lineage))
 
 
-async def read_rank(
-    tier, job: str, step: int, rank: int, generation: int = 0
-) -> tuple[Manifest, torch.Tensor]:
-    """The manifest and data bytes of one rank's shard, checked to belong together (checksums
-    are verified at restore). A manifest that does not parse or lacks checksums, or data of
-    another size than the manifest says, is a ManifestError naming the object."""
+async def read_manifest(tier, job: str, step: int, rank: int, generation: int = 0) -> Manifest:
+    """One rank's stored manifest, parsed, checked and with checksums; a ManifestError naming
+    the object otherwise."""
     mkey = layout.manifest_key(job, step, rank, generation)
-    dkey = layout.data_key(job, step, rank, generation)
     where = f"{tier.spec.url}/{mkey}"
     manifest = Manifest.from_json(await tier.get(mkey), source=where, require_checksums=True)
     found = (manifest.job, manifest.step, manifest.rank, manifest.generation)
@@ -149,6 +168,25 @@ async def read_rank(
             f"generation {manifest.generation}, not job {job} step {step} rank {rank} "
             f"generation {generation}"
         )
+    return manifest
+
+
+async def read_rank(
+    tier, job: str, step: int, rank: int, generation: int = 0
+) -> tuple[Manifest, torch.Tensor]:
+    """The manifest and data bytes of one rank's shard, checked to belong together (checksums
+    are verified at restore), with the entries another rank stores for it read from there. A
+    manifest that does not parse or lacks checksums, or data of another size than the
+    manifest says, is a ManifestError naming the object."""
+    manifest = await read_manifest(tier, job, step, rank, generation)
+    data = await _read_data(tier, manifest)
+    if any(e.stored_at is not None for e in manifest.entries):
+        return await _with_replicas(tier, manifest, data)
+    return manifest, data
+
+
+async def _read_data(tier, manifest: Manifest) -> torch.Tensor:
+    dkey = layout.data_key(manifest.job, manifest.step, manifest.rank, manifest.generation)
     size = manifest.data_len
     # One small ranged read settles the size: the byte before data_len must exist, the one
     # at data_len must not.
@@ -161,7 +199,50 @@ async def read_rank(
             await tier.get_into(dkey, memoryview(data.numpy()), 0)
         except ValueError as exc:  # shortened since the size was read: the tier says so
             raise _size_mismatch(tier, dkey, size, "fewer") from exc
-    return manifest, data
+    return data
+
+
+async def _with_replicas(
+    tier, manifest: Manifest, data: torch.Tensor
+) -> tuple[Manifest, torch.Tensor]:
+    """``manifest`` and ``data`` completed with the replicated entries other ranks store for
+    it: each is read from that rank's data, where that rank's manifest must hold the same
+    entry, and is verified at restore with that rank's checksums."""
+    job, step, gen = manifest.job, manifest.step, manifest.generation
+    others: dict[int, dict[str, Entry]] = {}
+    for r in sorted({e.stored_at for e in manifest.entries if e.stored_at is not None}):
+        other = await read_manifest(tier, job, step, r, gen)
+        others[r] = {e.path: e for e in other.entries if e.stored_at is None}
+    extra = sum(align(e.nbytes) for e in manifest.entries if e.stored_at is not None)
+    out = torch.empty(manifest.data_len + extra, dtype=torch.uint8)
+    out[: manifest.data_len] = data
+    entries, at, differ = [], manifest.data_len, []
+    for e in manifest.entries:
+        if e.stored_at is None:
+            entries.append(e)
+            continue
+        src = others[e.stored_at].get(e.path)
+        where = (f"{tier.spec.url}: step {step} rank {manifest.rank} stores {e.path!r} at rank "
+                 f"{e.stored_at}")  # fmt: skip
+        if src is None or (src.kind, src.dtype, src.shape) != (e.kind, e.dtype, e.shape):
+            found = "no such entry" if src is None else f"{src.dtype} {list(src.shape)}"
+            raise ManifestError(
+                f"{where}, whose copy has {found}; restore from another tier or an older step"
+            )
+        dkey = layout.data_key(job, step, e.stored_at, gen)
+        try:
+            await tier.get_into(dkey, memoryview(out[at : at + e.nbytes].numpy()), src.offset)
+        except ValueError as exc:
+            raise ManifestError(f"{where}, whose data is truncated; restore from another tier or "
+                                "an older step") from exc  # fmt: skip
+        differ += [e.path] if e.checksums != src.checksums else []
+        entries.append(replace(e, offset=at, stored_at=None, checksums=src.checksums))
+        at = align(at + e.nbytes)
+    if differ:
+        log.warning("step %d rank %d: %d replicated entries (the first %r) differed from the "
+                    "copy another rank stored when they were saved; restoring that copy", step,
+                    manifest.rank, len(differ), differ[0])  # fmt: skip
+    return replace(manifest, entries=tuple(entries), data_len=len(out)), out
 
 
 def _size_mismatch(tier, key: str, size: int, found: str) -> ManifestError:

@@ -3,8 +3,10 @@
 ``save`` trains steps 1-3 of a small model sharded per layer with ``fully_shard``, saving
 each with the two-line API, then takes step 4. ``restore`` builds the model and a fresh
 AdamW from another seed, restores (the newest step must be 3) and takes step 4. Rank 0
-writes the full parameters after step 4 to RESULT, so the two runs can be compared bit for
-bit. A restore that fails writes its error to RESULT instead.
+writes to RESULT the full parameters and AdamW moments at step 3 (``at3``: saved, or just
+restored) and the full parameters after step 4, so runs can be compared bit for bit (at
+another world size, step 4 sees other data: only ``at3`` compares). A restore that fails
+writes its error to RESULT instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     opt.zero_grad()
 
 
+def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Every parameter and AdamW moment as full tensors (collectives: every rank calls it)."""
+    out = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        for name in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}/{i}"] = opt.state[p][name].full_tensor().tolist()
+    return out
+
+
 def main() -> None:
     phase, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -47,10 +58,12 @@ def main() -> None:
         for step in range(1, 4):
             train_step(model, opt, step)
             ckpt.save(step, {"model": model, "optim": opt, "step": step})
+        result["at3"] = full(model, opt)
     else:
         state = {"model": model, "optim": opt, "step": 0}
         try:
             result["restored"] = ckpt.restore(state)
+            result["at3"] = full(model, opt)
         except Exception as exc:  # the test reads what a user would see
             result["error"] = f"{type(exc).__name__}: {exc}"
     if "error" not in result:

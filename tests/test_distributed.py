@@ -73,15 +73,26 @@ def reports(out: subprocess.CompletedProcess) -> dict[int, dict[str, str]]:
 
 @pytest.mark.slow
 def test_a_ddp_job_restarted_at_another_world_size(shm_dir, run_dir, tmp_path):
-    """Two ranks save steps 0-2. One rank restores step 2, saves 3-5, they are persisted and
-    close() returns promptly. Three ranks: the new rank holds nothing, so no step is common;
-    every rank starts over, and the log says why and what to do."""
+    """Two DDP ranks save steps 0-2: the tier holds the replicated model and optimizer once
+    per step (rank 1's stored copy points at rank 0's). One rank restores step 2, saves 3-5,
+    they are persisted and close() returns promptly. Three ranks restore step 5 (the new ranks
+    from rank 0's copy), persist 6-8 and close promptly."""
     url = f"file://{tmp_path / 'tier'}"
     resize_run(2, url)
+    step2 = tmp_path / "tier" / "resize" / "step-000000000002"
+    sizes = [(step2 / f"rank-{r}" / "data").stat().st_size for r in range(2)]
+    assert sizes[0] > 0 and sizes[1] == 0, sizes
+    pointer = json.loads((step2 / "rank-1" / "manifest.json").read_text())
+    assert {e.get("stored_at") for e in pointer["entries"]} == {0}, pointer["entries"]
     one = reports(resize_run(1, url))
     assert one[0]["restored"] == "2" and one[0]["last"] == "5", one
     assert float(one[0]["close"]) < 10, one
     assert (tmp_path / "tier" / "resize" / "step-000000000005").is_dir()
-    three = resize_run(3, url)
-    assert {r["restored"] for r in reports(three).values()} == {"None"}
-    assert "ranks [2] hold no snapshot while 2 other ranks do" in three.stderr
+    three = reports(resize_run(3, url))
+    assert {r["restored"] for r in three.values()} == {"5"}, three
+    assert {r["start"] for r in three.values()} == {one[0]["end"]}, (one, three)
+    assert {r["last"] for r in three.values()} == {"8"}, three
+    assert all(float(r["close"]) < 10 for r in three.values()), three
+    step8 = tmp_path / "tier" / "resize" / "step-000000000008"
+    assert [(step8 / f"rank-{r}" / "manifest.json").is_file() for r in range(3)] == [True] * 3
+    assert [(step8 / f"rank-{r}" / "data").stat().st_size for r in range(3)][1:] == [0, 0]

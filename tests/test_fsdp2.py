@@ -20,11 +20,15 @@ def run(ranks: int, phase: str, out, env: dict) -> dict:
 def test_fsdp2_restores_into_a_fresh_model_and_optimizer(shm_dir, run_dir, tmp_path):
     """New processes, a model built from another seed and a fresh AdamW (no optimizer state
     yet): restore() brings back step 3 and the next step's parameters are bit-identical to
-    the uninterrupted run's. A restore at another world size is refused with what to do."""
+    the uninterrupted run's. At one rank and at four, the shards are resharded: the full
+    parameters and AdamW moments restored equal those saved."""
     env = {**os.environ, "FLASHCKPT_JOB": "fsdp2", "FSDP_TIER": str(tmp_path / "tier")}
     saved = run(2, "save", tmp_path / "saved.json", env)
     resumed = run(2, "restore", tmp_path / "resumed.json", env)
     assert resumed["restored"] == 3
     assert resumed["params"] == saved["params"]  # floats through JSON: exact, bit for bit
-    alone = run(1, "restore", tmp_path / "alone.json", env)
-    assert "resharding is not supported" in alone.get("error", ""), alone
+    assert resumed["at3"] == saved["at3"]
+    for ranks in (1, 4):
+        other = run(ranks, "restore", tmp_path / f"at{ranks}.json", env)
+        assert other.get("restored") == 3, other
+        assert other["at3"] == saved["at3"], f"{ranks} ranks restored other values"

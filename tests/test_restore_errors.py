@@ -101,7 +101,7 @@ def test_newer_manifest_format_is_refused():
     doc = json.loads(m.to_json())
     doc["format_version"] = 99
     with pytest.raises(
-        ManifestError, match="format_version 99, newer than the 1 .* upgrade flashckpt"
+        ManifestError, match="format_version 99, newer than the 2 .* upgrade flashckpt"
     ):
         Manifest.from_json(json.dumps(doc))
 

@@ -1,0 +1,143 @@
+"""Restore DTensor shards saved at another world size or mesh (resharding).
+
+Every DTensor entry of a manifest records where its local shard sits in the global tensor
+(``ShardInfo``: global shape and offset). A rank restoring into a DTensor laid out another way
+asks for its new local block; the block is assembled from every old rank's shard that
+overlaps it. Only the bytes needed are read from the tier: along the first dimension a shard's
+rows are contiguous, so each overlap is one ranged read, widened to whole checksum chunks so
+every byte read is verified before it is used.
+
+The old shards come from a tier that holds the step for every rank of the job that saved it
+(a shared tier, or a node-local one on a single node). Plain tensors, and everything else of
+the state, come from one old rank's copy (the rank's own when it had one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import layout, tier_io
+from .checksum import verify_entry
+from .errors import ManifestError
+from .manifest import Entry, Manifest, ShardInfo, dtype_from_name
+
+
+@dataclass(frozen=True)
+class Want:
+    """A rank's new local block of one DTensor."""
+
+    path: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def portable(manifest: Manifest, world: int) -> bool:
+    """Whether a rank that did not save this step may restore from ``manifest`` (of a job of
+    ``world`` ranks): its tensors are replicas of every rank, or DTensor shards that any
+    layout can be rebuilt from."""
+    whole = manifest.replicas == (0, world, 1)
+    return any(e.shard is not None or (e.replicated and whole) for e in manifest.entries)
+
+
+def per_rank(manifest: Manifest) -> list[str]:
+    """The tensors of ``manifest`` that are neither replicas nor shards: the saving rank's own."""
+    return [e.path for e in manifest.entries if e.shard is None and not e.replicated]
+
+
+class Resharder:
+    """Collects the new blocks a restore needs, then reads them from a tier's old shards."""
+
+    def __init__(self) -> None:
+        self.wants: dict[str, Want] = {}
+        self.blocks: dict[str, torch.Tensor] = {}
+
+    def want(self, path: str, saved: Entry, target: ShardInfo, shape: tuple[int, ...]) -> str:
+        """Ask for ``target``'s block of the tensor saved as ``saved``; what does not match."""
+        assert saved.shard is not None
+        if tuple(saved.shard.global_shape) != tuple(target.global_shape):
+            return (f"global shape {list(saved.shard.global_shape)} in snapshot, "
+                    f"{list(target.global_shape)} in state")  # fmt: skip
+        self.wants[path] = Want(path, saved.dtype, target.global_shape, target.global_offset, shape)
+        return ""
+
+    def block(self, path: str) -> torch.Tensor:
+        return self.blocks[path]
+
+    async def fetch(self, tier, job: str, step: int, generation: int, world: int) -> None:
+        """Read every wanted block from the ``world`` old ranks' shards of ``step``."""
+        manifests = await asyncio.gather(
+            *(tier_io.read_manifest(tier, job, step, r, generation) for r in range(world))
+        )
+        by_path = [{e.path: e for e in m.entries} for m in manifests]
+        for want in self.wants.values():
+            self.blocks[want.path] = await self._assemble(tier, want, manifests, by_path)
+
+    async def _assemble(self, tier, want: Want, manifests, by_path) -> torch.Tensor:
+        out = torch.empty(want.shape, dtype=dtype_from_name(want.dtype))
+        filled, seen = 0, set()
+        for m, entries in zip(manifests, by_path, strict=True):
+            e = entries.get(want.path)
+            if e is None or e.shard is None or tuple(e.shard.global_shape) != want.global_shape:
+                continue
+            box = (tuple(e.shard.global_offset), tuple(e.shape))
+            if box in seen or e.dtype != want.dtype:  # a replica of a shard already used
+                continue
+            seen.add(box)
+            lo = [max(a, b) for a, b in zip(e.shard.global_offset, want.offset, strict=True)]
+            hi = [
+                min(a + n, b + k)
+                for a, n, b, k in zip(e.shard.global_offset, e.shape, want.offset, want.shape,
+                                      strict=True)
+            ]  # fmt: skip
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            rows = await _rows(tier, m, e, lo, hi)
+            old = e.shard.global_offset
+            src = rows[(slice(None), *(slice(a - o, b - o) for a, b, o in
+                                      zip(lo[1:], hi[1:], old[1:], strict=True)))]  # fmt: skip
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, want.offset, strict=True))
+            out[dst] = src
+            filled += math.prod(b - a for a, b in zip(lo, hi, strict=True))
+        if filled != math.prod(want.shape):
+            raise ManifestError(
+                f"{tier.spec.url}: the shards of {want.path!r} saved at step {manifests[0].step} cover "
+                f"{filled} of the {math.prod(want.shape)} elements of the block at "
+                f"{list(want.offset)} this rank needs; restore at the world size that saved it"
+            )
+        return out
+
+
+async def _rows(tier, m: Manifest, e: Entry, lo: list[int], hi: list[int]) -> torch.Tensor:
+    """Rows ``lo[0]:hi[0]`` (global) of the saved shard ``e`` of rank ``m.rank``, verified."""
+    if e.stored_at is not None:
+        raise ManifestError(f"{tier.spec.url}: {e.path!r} of rank {m.rank} is a shard stored as "
+                            "a replica; the copy is corrupt")  # fmt: skip
+    cs = m.chunk_size
+    itemsize = dtype_from_name(e.dtype).itemsize
+    if e.shape:
+        row = math.prod(e.shape[1:]) * itemsize
+        first, last = lo[0] - e.shard.global_offset[0], hi[0] - e.shard.global_offset[0]
+    else:
+        row, first, last = itemsize, 0, 1
+    start, end = first * row, last * row
+    c0, c1 = start // cs, -(-end // cs)
+    span = min(c1 * cs, e.nbytes) - c0 * cs
+    key = layout.data_key(m.job, m.step, m.rank, m.generation)
+    raw = bytearray(span)
+    if span:
+        try:
+            await tier.get_into(key, memoryview(raw), e.offset + c0 * cs)
+        except ValueError as exc:
+            raise ManifestError(f"{tier.spec.url}/{key} is shorter than its manifest says; "
+                                "restore from another tier or an older step") from exc  # fmt: skip
+    part = replace(e, offset=0, nbytes=span, checksums=(e.checksums or ())[c0:c1] or None)
+    verify_entry(memoryview(raw), part, cs, f"{tier.spec.url}/{key}")
+    data = torch.frombuffer(raw, dtype=torch.uint8) if span else torch.empty(0, dtype=torch.uint8)
+    picked = data[start - c0 * cs : end - c0 * cs].view(dtype_from_name(e.dtype))
+    return picked.view(last - first, *e.shape[1:]) if e.shape else picked.view(())
