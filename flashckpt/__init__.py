@@ -4,6 +4,8 @@ ckpt = Checkpointer("file:///mnt/nvme/ckpt")
 step0 = ckpt.restore({"model": model, "optim": optimizer})
 ...
 ckpt.save(step, {"model": model, "optim": optimizer})
+
+state = flashckpt.load("file:///mnt/nvme/ckpt")  # without the training code: plain Python
 """
 
 from .checkpointer import Checkpointer
@@ -19,6 +21,7 @@ from .errors import (
     StateMismatchError,
     TierUnavailableError,
 )
+from .load import load
 from .manifest import FORMAT_VERSION
 from .rng import RNG
 
@@ -38,4 +41,5 @@ __all__ = [
     "SharedMemoryError",
     "StateMismatchError",
     "TierUnavailableError",
+    "load",
 ]

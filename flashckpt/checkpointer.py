@@ -177,13 +177,18 @@ class Checkpointer:
             raise
 
     def restore(
-        self, state: Mapping[str, Any], step: int | None = None, *, allow_pickle: bool | None = None
-    ) -> int | None:
+        self, state: Mapping[str, Any], step: int | None = None, *,
+        allow_pickle: bool | None = None, strict: bool = True,
+        key_map: Callable[[str], str | None] | None = None,
+    ) -> Any:  # fmt: skip
         """Load the newest intact snapshot (or ``step``) into ``state`` in place.
 
         Returns the step restored, or None if there is none (then ``step`` was not asked).
-        Also readies this rank's slots in the background, so the first ``save()`` that follows
-        costs no more than a steady one.
+        ``strict=False`` loads what matches, leaves the rest as it is and returns
+        ``(step, unmatched)``, the list of what did not match (path, kind, detail).
+        ``key_map`` renames the snapshot's dict keys before matching (None drops a key), e.g.
+        ``lambda k: k.removeprefix("module.")``. Also readies this rank's slots in the
+        background, so the first ``save()`` that follows costs no more than a steady one.
         """
         if allow_pickle is not None:
             config.check_flag("allow_pickle", allow_pickle)
@@ -205,7 +210,9 @@ class Checkpointer:
             self._pair.check_space(capacity)
             self._pair.open_existing()
             self._connect_agent()
-            restored = self._restore(state, step, allow)
+            unmatched: list = []
+            opts = {"key_map": key_map, **({} if strict else {"unmatched": unmatched})}
+            restored = self._restore(state, step, allow, opts)
             if beat is not None:  # the first step after a restore gets the start-up budget
                 beat.phase(Phase.STARTUP, restored)
             if self._events is not None:
@@ -219,7 +226,7 @@ class Checkpointer:
                 f"({self.shm_dir}) nor committed in {self._shown_tiers() or 'any tier'}; call restore() "
                 "without a step for the newest one"
             )
-        return restored
+        return restored if strict else (restored, unmatched)
 
     def wait(
         self, step: int | None = None, tier: str | None = None, timeout: float | None = None
@@ -364,7 +371,8 @@ class Checkpointer:
         slot.unlock()
         self._sealer.release()
 
-    def _restore(self, state: Mapping[str, Any], step: int | None, allow: bool) -> int | None:
+    def _restore(self, state: Mapping[str, Any], step: int | None, allow: bool,
+                 opts: dict) -> int | None:  # fmt: skip
         """Restore the newest step every rank can get, each rank from its fastest source, and
         set the branch the next saves go to."""
         sources = [MemorySource(self._pair, self.verify)]
@@ -377,7 +385,7 @@ class Checkpointer:
         mine = {s: (g, s) for g, s in known if lineage.holds(g, s)}
         newest_held = max(group.gather(max(mine, default=-1)))  # type: ignore[type-var]
         newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
-        restored = self._load_agreed(state, sources, held, mine, step, allow)
+        restored = self._load_agreed(state, sources, held, mine, step, allow, opts)
         if restored == newest_held or newest_held < 0:
             self._lineage = lineage
         else:
@@ -391,7 +399,7 @@ class Checkpointer:
 
     def _load_agreed(self, state: Mapping[str, Any], sources: list, held: list[dict],
                      mine: dict[int, tuple[int, int]], step: int | None,
-                     allow: bool) -> int | None:  # fmt: skip
+                     allow: bool, opts: dict) -> int | None:  # fmt: skip
         """Load the newest step of ``mine`` every rank can get (or ``step``); the step."""
         candidates = set(mine)
         group.warn_if_some_hold_none(bool(candidates), self.job, asked=step)
@@ -402,7 +410,7 @@ class Checkpointer:
             key, ok, error = mine.get(choice), False, None
             try:  # a bad copy makes load() False; anything raised is an error of the caller's
                 for src, keys in zip(sources, held, strict=True):
-                    if key in keys and src.load(state, key, allow):
+                    if key in keys and src.load(state, key, allow, **opts):
                         log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
                         ok, self._restored_from = True, src.name
                         break

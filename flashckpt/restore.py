@@ -15,7 +15,7 @@ import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -131,10 +131,23 @@ def _decode_key(node: Any) -> Any:
 
 
 class Planner:
-    def __init__(self, manifest: Manifest, allow_pickle: bool, resharder: Resharder | None = None):
+    """Matches a snapshot's tree to a target, collecting every mismatch, and builds the loader.
+
+    ``strict=False`` leaves whatever does not match as it is (the mismatches say what) instead
+    of refusing; ``key_map`` renames the snapshot's string dict keys (None drops one);
+    ``assemble`` builds a DTensor entry with no target as the full tensor, from every
+    rank's shard (through ``resharder``).
+    """
+
+    def __init__(
+        self, manifest: Manifest, allow_pickle: bool, resharder: Resharder | None = None,
+        strict: bool = True, key_map: Callable[[str], str | None] | None = None,
+        assemble: bool = False,
+    ) -> None:  # fmt: skip
         self.m = manifest
         self.allow_pickle = allow_pickle
         self.resharder = resharder  # DTensors laid out otherwise than saved are asked of it
+        self.strict, self.key_map, self.assemble = strict, key_map, assemble
         self.mismatches: list[Mismatch] = []
         self.pickled: list[str] = []
         self.replaced = 0  # leaves that are not in-place tensor copies
@@ -154,6 +167,8 @@ class Planner:
         cs = self.m.chunk_size
         if tag == "tensor":
             e = self.entry(node)
+            if self.assemble and e.shard is not None and self.resharder is not None:
+                return self._full(e)
             return lambda src: src.view(e, cs).clone()
         if tag == "ndarray":
             e = self.entry(node)
@@ -178,6 +193,21 @@ class Planner:
         value = decode_scalar(node)
         return lambda src: value
 
+    def _full(self, e: Entry) -> Producer:
+        """The whole tensor of DTensor entry ``e``, from every rank's shard."""
+        assert e.shard is not None and self.resharder is not None
+        resharder, shape = self.resharder, tuple(e.shard.global_shape)
+        whole = replace(e.shard, global_offset=(0,) * len(shape))
+        problem = resharder.want(e.path, e, whole, shape)
+        if problem:
+            self.mismatches.append(Mismatch(e.path, "shard", problem))
+        return lambda src: resharder.block(e.path)
+
+    def _leave(self, path: str, kind: str, detail: str, target: Any) -> Producer | None:
+        """Record a mismatch; outside strict mode, a loader that leaves ``target`` as it is."""
+        self.mismatches.append(Mismatch(path, kind, detail))
+        return None if self.strict else (lambda src: target)
+
     # ---- values with a target: match and fill in place -------------------------------
     def match(self, node: Any, target: Any, path: str, lenient: bool) -> Producer:
         tag = node.get("t") if isinstance(node, dict) else None
@@ -194,11 +224,8 @@ class Planner:
         # A scalar in the state is a value the snapshot replaces; tensors and containers are
         # structure the snapshot must match.
         if not lenient and isinstance(target, (torch.Tensor, np.ndarray, Mapping, list, tuple)):
-            self.mismatches.append(
-                Mismatch(
-                    path, "type", f"{_kind(node)} in snapshot, {type(target).__name__} in state"
-                )
-            )
+            detail = f"{_kind(node)} in snapshot, {type(target).__name__} in state"
+            return self._leave(path, "type", detail, target) or self.fresh(node, path)
         return self.fresh(node, path)
 
     def _stateful(self, node: Any, target: Any, path: str, lenient: bool) -> Producer:
@@ -233,6 +260,7 @@ class Planner:
         dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
         if shard is not None and e.shard is not None and shard != e.shard:
             return self._resharded(e, target, dst, shard, path)
+        before = len(self.mismatches)
         if e.kind != "tensor":
             self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
         if e.dtype != str(local.dtype).removeprefix("torch."):
@@ -245,6 +273,8 @@ class Planner:
                     path, "shape", f"{tuple(e.shape)} in snapshot, {tuple(local.shape)} in state"
                 )
             )
+        if len(self.mismatches) > before and not self.strict:
+            return lambda src: target
         cs = self.m.chunk_size
 
         def produce(src: Source) -> Any:
@@ -265,6 +295,7 @@ class Planner:
             problem = self.resharder.want(path, e, shard, tuple(dst.shape))
         if problem:
             self.mismatches.append(Mismatch(path, "shard", problem))
+            return lambda src: target
 
         def produce(src: Source) -> Any:
             assert self.resharder is not None
@@ -283,9 +314,8 @@ class Planner:
             return target
 
         if torch.from_numpy(target[:0].copy()).dtype != dtype_from_name(e.dtype):
-            self.mismatches.append(
-                Mismatch(path, "dtype", f"{e.dtype} in snapshot, {target.dtype} in state")
-            )
+            detail = f"{e.dtype} in snapshot, {target.dtype} in state"
+            return self._leave(path, "dtype", detail, target) or produce
         return produce
 
     def _dict(self, node: dict, target: Mapping, path: str, lenient: bool) -> Producer:
@@ -293,6 +323,10 @@ class Planner:
         seen = set()
         for knode, vnode in node["items"]:
             key = _decode_key(knode)
+            if self.key_map is not None and isinstance(key, str):
+                key = self.key_map(key)
+                if key is None:
+                    continue
             seen.add(key)
             sub = join(path, key)
             if key in target:
@@ -320,11 +354,8 @@ class Planner:
         snap = node["items"]
         if len(snap) != len(target):
             if not lenient:
-                self.mismatches.append(
-                    Mismatch(
-                        path, "length", f"{len(snap)} items in snapshot, {len(target)} in state"
-                    )
-                )
+                detail = f"{len(snap)} items in snapshot, {len(target)} in state"
+                return self._leave(path, "length", detail, target) or self.fresh(node, path)
             return self.fresh(node, path)
         kids = [
             self.match(v, t, join(path, i), lenient)
@@ -362,30 +393,35 @@ def _kind(node: Any) -> str:
 
 def plan(
     manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool,
-    resharder: Resharder | None = None,
+    resharder: Resharder | None = None, unmatched: list[Mismatch] | None = None,
+    key_map: Callable[[str], str | None] | None = None,
 ) -> Producer:  # fmt: skip
     """Check ``state`` against ``manifest``; raise listing every problem, or return the loader.
     DTensors laid out otherwise than saved are asked of ``resharder`` (a mismatch without
-    one), which must fetch them before the loader runs."""
+    one), which must fetch them before the loader runs. With an ``unmatched`` list, what does
+    not match is appended to it and left as it is instead (``restore(strict=False)``)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
-    planner = Planner(manifest, allow_pickle, resharder)
+    planner = Planner(manifest, allow_pickle, resharder, unmatched is None, key_map)
     producer = planner.match(manifest.tree, state, "", lenient=False)
     where = f"snapshot of step {manifest.step} (job {manifest.job}, rank {manifest.rank})"
-    if planner.mismatches:
+    if planner.mismatches and unmatched is None:
         raise StateMismatchError(_describe(planner.mismatches, where))
-    if planner.pickled:
-        shown = ", ".join(repr(p) for p in planner.pickled[:MAX_LISTED])
-        more = (
-            f" and {len(planner.pickled) - MAX_LISTED} more"
-            if len(planner.pickled) > MAX_LISTED
-            else ""
-        )
+    if unmatched is not None:
+        unmatched[:] = planner.mismatches
+    refuse_pickles(planner.pickled, where)
+    return producer
+
+
+def refuse_pickles(pickled: list[str], where: str) -> None:
+    """PickleNotAllowedError naming the pickled entries, if there are any."""
+    if pickled:
+        shown = ", ".join(repr(p) for p in pickled[:MAX_LISTED])
+        more = f" and {len(pickled) - MAX_LISTED} more" if len(pickled) > MAX_LISTED else ""
         raise PickleNotAllowedError(
             f"{where} holds pickled entries: {shown}{more}. Unpickling runs code from the snapshot; "
             "if you trust it, pass allow_pickle=True"
         )
-    return producer
 
 
 def run(producer: Producer, source: Source) -> None:

@@ -84,13 +84,15 @@ class MemorySource:
     def steps(self, lineage: Lineage | None = None) -> set[int]:
         return steps_of(self.snapshots(), lineage)
 
-    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
+    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool, **opts: Any) -> bool:
+        """Load snapshot ``key`` into ``state``; False if no intact copy. ``opts`` go to
+        ``plan`` (``unmatched``, ``key_map``)."""
         for slot in self.pair.ready():
             try:
                 with read_locked(slot) as snap:
                     if snap is None or (snap.generation, snap.step) != key:
                         continue
-                    producer = plan(snap.manifest, state, allow_pickle)
+                    producer = plan(snap.manifest, state, allow_pickle, **opts)
                     where = f"shared memory {slot.path}"
                     run(producer, Source(slot.data_tensor(snap.header), where, self.verify))
                     if snap.intact():
@@ -172,7 +174,7 @@ class TierSource:
             return False
         return portable(m, world)
 
-    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool) -> bool:
+    def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool, **opts: Any) -> bool:
         gen, step = key
         rank, world = self._saved_by.get(key, (self.rank, self.world))
         where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
@@ -181,7 +183,7 @@ class TierSource:
             manifest, data = run_with_tier(
                 self.url, lambda t: tier_io.read_rank(t, self.job, step, rank, gen)
             )
-            producer = plan(manifest, state, allow_pickle, resharder)
+            producer = plan(manifest, state, allow_pickle, resharder, **opts)
             if resharder is not None and resharder.wants:
                 run_with_tier(self.url, lambda t: resharder.fetch(t, self.job, step, gen, world))
             run(producer, Source(data, where, self.verify))
