@@ -18,7 +18,6 @@ from one rank only), so each rank restores from its own node without reading ano
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import pointer as pointer_file
 from .checkpointer import Checkpointer
 from .errors import FlashCkptError
 
@@ -39,9 +39,9 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
         "flashckpt.deepspeed needs DeepSpeed: pip install 'flashckpt[deepspeed]'"
     ) from exc
 
-MAGIC = b"FLASHCKPT-DEEPSPEED-POINTER 1\n"
-_POINTER_MAX = 64 << 10
-DIR_TIER = ".flashckpt"  # where a save directory keeps its snapshots when no tier is named
+KIND = "DEEPSPEED"
+MAGIC = pointer_file.magic(KIND)  # b"FLASHCKPT-DEEPSPEED-POINTER 1\n"
+DIR_TIER = pointer_file.DIR_TIER  # where a save directory keeps its snapshots when no tier is named
 
 
 @dataclass(frozen=True)
@@ -54,30 +54,17 @@ class Pointer:
     name: str  # the file's path below the save directory, as DeepSpeed named it
 
     def dumps(self) -> bytes:
-        return MAGIC + json.dumps(self.__dict__, sort_keys=True).encode()
+        return pointer_file.dumps(KIND, self.__dict__)
 
     @classmethod
     def read(cls, path: str) -> Pointer | None:
         """The pointer in ``path``, or None if the file is something else."""
-        with open(path, "rb") as f:
-            head = f.read(_POINTER_MAX + 1)
-        if not head.startswith(MAGIC):
-            return None
-        try:
-            d = json.loads(head[len(MAGIC) :])
-            return cls(str(d["job"]), int(d["step"]), str(d["tag"]), str(d["name"]))
-        except (ValueError, KeyError, TypeError):
-            raise FlashCkptError(
-                f"{path} is a damaged flashckpt pointer; load an older tag, or restore the step "
-                "with the flashckpt CLI"
-            ) from None
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+        return pointer_file.read(
+            path,
+            KIND,
+            lambda d: cls(str(d["job"]), int(d["step"]), str(d["tag"]), str(d["name"])),
+            "load an older tag, or restore the step with the flashckpt CLI",
+        )
 
 
 class FlashCheckpointEngine(CheckpointEngine):
@@ -99,7 +86,7 @@ class FlashCheckpointEngine(CheckpointEngine):
     # ---- the Checkpointer, made once the first save or load names a directory ---------
     def checkpointer(self, directory: str) -> Checkpointer:
         if self.ckpt is None:
-            tiers = self.tiers or (f"file://{Path(directory).resolve() / DIR_TIER}",)
+            tiers = self.tiers or (pointer_file.dir_tier(directory),)
             self.ckpt = Checkpointer(*tiers, **self.args)
         return self.ckpt
 
@@ -117,7 +104,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         self.files[name] = state_dict
         tag = Path(name).parts[0] if len(Path(name).parts) > 1 else ""
         pointer = Pointer(self.ckpt.job, self.step, tag, name)  # type: ignore[union-attr]
-        _write_atomic(path, pointer.dumps())
+        pointer_file.write(path, pointer.dumps())
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         assert self.ckpt is not None
