@@ -2,9 +2,25 @@
 
     python benchmarks/snapshot.py                 # CPU, ~1.2 GiB model + AdamW state
     python benchmarks/snapshot.py --device cuda   # blocking and overlapped device snapshots
+    python benchmarks/snapshot.py --case fsdp2    # 2 gloo ranks, FSDP2 shards (~250 MB a rank)
+    python benchmarks/snapshot.py --case deepspeed  # 2 gloo ranks, ZeRO-2 save_checkpoint()
 
 Every method copies the same bytes; rounds are interleaved and medians reported, so the
 ratios hold on a shared, noisy machine. The last line gives the ratios the targets speak of.
+
+The two-rank cases re-launch this script under ``torch.distributed.run`` (two local gloo
+ranks on CPU; private shared-memory, run and job settings, all removed at the end):
+
+- ``fsdp2`` (snapshot_fsdp2.py): a model ``fully_shard`` per layer with AdamW state;
+  ``Checkpointer(tier).save(step, {"model": model, "optim": opt})`` against a memcpy of the
+  rank's local shards into allocated memory, DCP ``save`` and DCP ``async_save`` (its
+  blocking part) to a local directory;
+- ``deepspeed`` (snapshot_deepspeed.py): a ZeRO-2 engine's ``save_checkpoint(dir, tag)``
+  through ``flashckpt.deepspeed.attach`` against DeepSpeed's own ``save_checkpoint`` of the
+  same engine to the same directory, and against a memcpy of the bytes snapshotted.
+
+They print each rank's medians and the slowest rank's, which a job waits for; ``--dir``
+says where their files go (default: a new temporary directory), ``--params-m`` the size.
 """
 
 from __future__ import annotations
@@ -14,22 +30,19 @@ import mmap
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 
 import torch
+from snapshot_harness import launch, linear_stack, local_tensors, size_of, timed
 
 from flashckpt import Checkpointer
 
 
 def build(params_m: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    width = 3072
-    layers = max(1, round(params_m * 1e6 / (width * width)))
-    model = torch.nn.Sequential(
-        *[torch.nn.Linear(width, width, bias=True) for _ in range(layers)]
-    ).to(device)
+    model = linear_stack(params_m, 3072).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     return model, opt
 
@@ -42,44 +55,13 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: str) 
 
 
 def state_bytes(state: dict) -> int:
-    total = 0
-    for v in state.values():
-        sd = v.state_dict()
-        stack = [sd]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, torch.Tensor):
-                total += x.numel() * x.element_size()
-            elif isinstance(x, dict):
-                stack.extend(x.values())
-            elif isinstance(x, (list, tuple)):
-                stack.extend(x)
-    return total
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return size_of(local_tensors(state))
 
 
 def row(name: str, seconds: float, nbytes: int, base: float | None) -> str:
     gbs = nbytes / seconds / 1e9
     ratio = f"{base / seconds:6.2f}" if base else "  1.00"
     return f"{name:<44} {seconds * 1e3:10.1f} {gbs:8.2f} {ratio}"
-
-
-def tensors_of(state: dict) -> list[torch.Tensor]:
-    out, stack = [], [v.state_dict() for v in state.values()]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
 
 
 def first_touch_copy(tensors: list[torch.Tensor], nbytes: int, where: str) -> float:
@@ -107,7 +89,7 @@ def first_touch_copy(tensors: list[torch.Tensor], nbytes: int, where: str) -> fl
 def first_saves(state: dict, nbytes: int, rounds: int) -> tuple[float, float, float]:
     """Medians of: a first-touch copy, a job's first save() without restore(), and a first
     save() made right after restore() (no training step between), interleaved."""
-    tensors = tensors_of(state)
+    tensors = local_tensors(state)
     where = tempfile.mkdtemp(dir="/dev/shm", prefix="flashckpt-first-")
     touch, cold, warm = [], [], []
     for i in range(rounds):
@@ -271,19 +253,39 @@ def gpu(args: argparse.Namespace) -> None:
     )
 
 
+PARAMS_M = {"single": 100, "fsdp2": 40, "deepspeed": 25}  # ~250 MB a rank for the two-rank cases
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--case", choices=list(PARAMS_M), default="single")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="case single only")
     p.add_argument(
         "--params-m",
         type=int,
-        default=100,
-        help="model parameters, millions (x12 bytes with AdamW)",
+        help="model parameters, millions; default "
+        + ", ".join(f"{k} {v}" for k, v in PARAMS_M.items())
+        + ". Bytes a rank: x12 (fp32 + AdamW); fsdp2 x12 over 2 ranks; deepspeed x4 (the "
+        "model) + x12 over 2 ranks (ZeRO-2's fp32 copy + AdamW)",
     )
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dir", help="where the two-rank cases write files (default: a temp dir)")
+    p.add_argument("--work-dir", help=argparse.SUPPRESS)  # set by the launch, for the ranks
     args = p.parse_args()
+    if args.params_m is None:
+        args.params_m = PARAMS_M[args.case]
+    if args.case != "single":
+        if args.work_dir is None:  # not a rank yet: launch the ranks
+            env = {"DS_ACCELERATOR": "cpu"} if args.case == "deepspeed" else {}
+            sys.exit(launch(__file__, sys.argv[1:], args.dir, env))
+        if args.case == "fsdp2":
+            import snapshot_fsdp2 as case
+        else:
+            import snapshot_deepspeed as case
+        case.main(args)
+        return
     shm = f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}"
     os.environ.setdefault("FLASHCKPT_SHM_DIR", shm)
     try:
