@@ -10,7 +10,9 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -51,6 +53,9 @@ class AgentClient:
         self.channel = grpc.insecure_channel(f"unix:{self.socket}")
         self.stub = pb_grpc.AgentStub(self.channel)
         self._inflight: list[grpc.Future] = []  # notices not yet answered
+        # Plain notices are sent from this thread: starting a grpc call costs milliseconds,
+        # which save() must not wait for.
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-notify")
 
     def listening(self) -> bool:
         """True if the socket exists; ConfigError if it is not a socket of this user (the
@@ -164,10 +169,14 @@ class AgentClient:
             except grpc.RpcError as exc:
                 log.warning("the agent did not take the final step %d: %s", step, exc.details())
                 return False
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: the agent polls anyway
+            self._sender.submit(self._send, req)
+        return True
+
+    def _send(self, req: Any) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
         with contextlib.suppress(Exception):
             self._inflight.append(self.stub.SnapshotReady.future(req, timeout=5))
-        return True
 
     def tier_status(self, timeout: float = 5) -> list:
         return list(
@@ -205,4 +214,5 @@ class AgentClient:
         return False
 
     def close(self) -> None:
+        self._sender.shutdown(wait=True)
         self.channel.close()
