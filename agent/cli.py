@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
+from typing import NoReturn
 
 from flashckpt import config
-from flashckpt.errors import FlashCkptError
+from flashckpt.cli.common import SECRETS, ScrubbingFormatter, describe_error, one_line
+from flashckpt.errors import ConfigError, FlashCkptError
+
+USAGE = 2
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        return SECRETS.scrub(self._doc(record))
+
+    def _doc(self, record: logging.LogRecord) -> str:
         doc = {
             "ts": round(time.time(), 3),
             "level": record.levelname,
@@ -32,13 +43,93 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line that says what to do, credentials masked."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: {one_line(message)}; see '{self.prog} --help'\n")
+
+
+def _usage(message: str) -> NoReturn:
+    print(f"flashckpt-agent: {one_line(message)}", file=sys.stderr)
+    sys.exit(USAGE)
+
+
+def _level(text: str) -> str:
+    if text.strip().upper() not in LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a log level: use one of {', '.join(LEVELS)}"
+        )
+    return text.strip().upper()
+
+
+def _version() -> str:
+    from flashckpt.cli import version
+
+    return version()
+
+
+def _check_serve(args: argparse.Namespace) -> str:
+    """The job name, every tier (opened once) and the metrics port, checked before the agent
+    claims anything: a bad value is one line and exit 2, never a pid file left behind."""
+    from flashckpt.storage_tiers import open_tier
+
+    try:
+        job = config.resolve_job(args.job, from_command=False)
+    except ConfigError as exc:
+        _usage(f"--job: {exc}")
+    for url in args.tier:
+        try:
+            tier = open_tier(url)
+        except (ConfigError, ImportError, ValueError) as exc:
+            _usage(f"--tier: {exc}")
+        asyncio.run(tier.close())
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        _usage(f"--metrics-port {args.metrics_port} is not a port (0 to 65535)")
+    return job
+
+
+def _serve(args: argparse.Namespace, job: str) -> None:
+    from .daemon import DEFAULT_GIVE_UP_AFTER, serve
+
+    run_dir = config.run_dir(args.run_dir)
+    try:
+        asyncio.run(
+            serve(
+                job,
+                args.tier,
+                config.shm_dir(args.shm_dir),
+                run_dir,
+                args.metrics_port,
+                args.exit_when_idle,
+                args.drain_timeout,
+                args.metrics_addr,
+                config.setting_float("give_up_after", args.give_up_after, DEFAULT_GIVE_UP_AFTER),
+                args.while_pid,
+            )
+        )
+    except BaseException:
+        _drop_claim(run_dir / f"{job}.pid")
+        raise
+
+
+def _drop_claim(pid_file: Path) -> None:
+    """A serve that failed leaves no pid file of its own: it still holds the claim (its lock
+    lives until this process exits), so it removes the file as an owner giving it up does."""
+    with contextlib.suppress(OSError):
+        if pid_file.read_text().strip() == str(os.getpid()):
+            pid_file.unlink()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog="flashckpt-agent",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print the installed flashckpt version and exit")  # fmt: skip
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands", parser_class=_Parser)
     s = sub.add_parser(
         "serve", help="run the agent in the foreground (a service manager daemonizes it)"
     )
@@ -56,9 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="socket and pid file directory, created 0700 (FLASHCKPT_RUN_DIR)",
     )
-    s.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on PORT (0: any)"
-    )
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on PORT (0: any)")  # fmt: skip
     s.add_argument("--metrics-addr", default="127.0.0.1", help="metrics address (0.0.0.0 in a pod)")
     s.add_argument("--exit-when-idle", type=float, default=None, metavar="S",
                    help="exit once no trainer is alive and everything is persisted for S seconds")  # fmt: skip
@@ -68,9 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                         "(FLASHCKPT_GIVE_UP_AFTER, default 3600)")  # fmt: skip
     s.add_argument("--while-pid", type=int, default=None, metavar="PID",
                    help="with --exit-when-idle: not idle while process PID lives (the launcher)")  # fmt: skip
-    s.add_argument(
-        "--drain-timeout", type=float, default=60.0, help="on SIGTERM, seconds to finish persisting"
-    )
+    s.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="on SIGTERM, seconds to finish persisting (default 60)")  # fmt: skip
     c = sub.add_parser(
         "controller",
         help="run a job's controller on its own (large jobs, a Kubernetes Service)",
@@ -92,17 +181,32 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--node-timeout", type=float, default=None, metavar="S",
                    help="a node whose agent is silent this long is lost (FLASHCKPT_NODE_TIMEOUT, default 5)")  # fmt: skip
     for sp in (s, c):
-        sp.add_argument("--log-format", choices=["text", "json"], default="text")
-        sp.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
+        sp.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="log lines as text or as one JSON object each (default text)")  # fmt: skip
+        sp.add_argument("--log-level", type=_level, default="INFO", metavar="LEVEL",
+                        help=f"least severe level logged: {', '.join(LEVELS)} (default INFO)")  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    raw = sys.argv[1:] if argv is None else argv
+    for arg in raw:  # masked in every message and log line of this process
+        if "://" in arg:
+            SECRETS.learn(arg.partition("=")[2] if arg.startswith("--") else arg)
+    p = build_parser()
+    args = p.parse_args(raw)
+    if args.cmd is None:
+        p.print_help(sys.stderr)
+        sys.exit(USAGE)
+    job = _check_serve(args) if args.cmd == "serve" else None
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter()
         if args.log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        else ScrubbingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=args.log_level, handlers=[handler])
 
     try:
         if args.cmd == "controller":
@@ -111,24 +215,12 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(serve_standalone(args.bind, args.events, args.run_dir, args.policy,
                                          args.node_timeout))  # fmt: skip
             return
-        from .daemon import DEFAULT_GIVE_UP_AFTER, serve
-
-        asyncio.run(
-            serve(
-                config.resolve_job(args.job, from_command=False),
-                args.tier,
-                config.shm_dir(args.shm_dir),
-                config.run_dir(args.run_dir),
-                args.metrics_port,
-                args.exit_when_idle,
-                args.drain_timeout,
-                args.metrics_addr,
-                config.setting_float("give_up_after", args.give_up_after, DEFAULT_GIVE_UP_AFTER),
-                args.while_pid,
-            )
-        )
+        _serve(args, job)
     except FlashCkptError as exc:
-        sys.exit(f"flashckpt-agent: {exc}")
+        sys.exit(f"flashckpt-agent: {one_line(str(exc))}")
+    except OSError as exc:  # a port or socket that cannot be had: one line, details in DEBUG
+        logging.getLogger(__name__).debug("the agent stopped", exc_info=True)
+        sys.exit(f"flashckpt-agent: cannot serve: {describe_error(exc)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""``python -m flashckpt.cli``: the ``flashckpt`` command."""
+
+from . import main
+
+main()

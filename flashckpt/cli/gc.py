@@ -1,0 +1,230 @@
+"""``flashckpt gc``: remove what is no longer needed.
+
+``gc URL --keep-last K [--keep-every M] [--dry-run]`` applies a tier's retention policy to a
+job with exactly the agent's rules (``tier_io.apply_retention``): the newest K committed steps
+of the current branch (and every M-th) stay, older ones go, with uncommitted leftovers older
+than the newest committed step and temporaries of crashed uploads. K must be at least 1, so
+the newest committed step is never removed; ``--dry-run`` lists what would go.
+
+``gc shm`` removes the slot files (and the agents' stale socket, pid and controller files in
+``FLASHCKPT_RUN_DIR``) of every job on this node whose processes are gone: no live agent holds
+its pid file, no live trainer owns a rank or beats a heartbeat page. The owner locks are held
+while the files go, so no trainer can start on them meanwhile. Logs stay unless ``--logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .. import config, tier_io
+from ..agent_client import socket_path
+from ..errors import FlashCkptError
+from ..events import events_path
+from ..heartbeat import Phase, pages
+from ..pidfile import PidFileBusy, lock_pidfile, pid_alive
+from ..slots import free_rank, owner_path, unowned
+from .common import (
+    OK,
+    SHM,
+    Output,
+    Problem,
+    UsageError,
+    add_dirs,
+    add_job,
+    chosen_job,
+    locations,
+    run_dir,
+    shm_dir,
+)
+from .locations import TierLocation, job_at, newest_key
+
+NAME = "gc"
+HELP = "apply retention to a tier's job, or remove dead jobs' files from this node ('gc shm')"
+_RANK_FILE = re.compile(r"rank-(\d+)\.")
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs=1, metavar="URL", help="a tier URL, or 'shm' for this node")
+    add_job(p)
+    p.add_argument("--keep-last", type=_positive, default=None, metavar="K",
+                   help="keep the newest K committed steps (at least 1; required for a tier)")  # fmt: skip
+    p.add_argument("--keep-every", type=_positive, default=None, metavar="M",
+                   help="also keep every committed step whose number is a multiple of M")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--logs", action="store_true",
+                   help="gc shm: also remove dead jobs' agent logs and event logs")  # fmt: skip
+    add_dirs(p, run=True)
+
+
+class _DryRun:
+    """A tier that lists and reads as the real one but deletes nothing: ``apply_retention``
+    run over it returns exactly what it would remove."""
+
+    def __init__(self, tier: Any):
+        self._tier = tier
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tier, name)
+
+    async def delete(self, prefix: str) -> None:
+        pass
+
+    async def clean_temporaries(self, *args: object, **kwargs: object) -> int:
+        return 0
+
+
+async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    async with TierLocation(url) as loc:
+        job = await job_at(loc, chosen_job(args))
+        listing = await loc.listing(job)
+        newest = newest_key(listing, None)
+        retention = (job, args.keep_last, args.keep_every)
+        doomed = await tier_io.apply_retention(_DryRun(loc.tier), *retention)
+        if newest in doomed:  # apply_retention keeps it with K >= 1; never trust that blindly
+            raise Problem(f"retention would remove the newest committed step {newest[1]}; "
+                          "nothing was removed")  # fmt: skip
+        if not args.dry_run:
+            doomed = await tier_io.apply_retention(loc.tier, *retention)
+    states = {k: ("uncommitted" if c is None else "committed" if c.complete else "partial")
+              for k, c in listing.items()}  # fmt: skip
+    steps = [{"step": s, "generation": g, "state": states.get((g, s), "uncommitted")}
+             for g, s in doomed]  # fmt: skip
+    kept = [{"step": s, "generation": g, "state": states[g, s]}
+            for g, s in sorted(listing, key=lambda k: (k[1], k[0])) if (g, s) not in doomed]  # fmt: skip
+    return {"location": loc.shown, "job": job, "removed": steps, "kept": kept,
+            "newest_committed": newest[1] if newest else None}  # fmt: skip
+
+
+def _jobs_on_node(shm: Path, run: Path) -> list[str]:
+    names = set()
+    with contextlib.suppress(OSError):
+        names |= {d.name for d in shm.iterdir() if d.is_dir() and not d.is_symlink()}
+    with contextlib.suppress(OSError):
+        names |= {p.name[: -len(".pid")] for p in run.glob("*.pid")}
+    return sorted(n for n in names if _valid(n))
+
+
+def _valid(name: str) -> bool:
+    try:
+        config.validate_name("job", name)
+    except FlashCkptError:
+        return False
+    return True
+
+
+def _ranks(shm: Path, job: str) -> list[int]:
+    with contextlib.suppress(OSError):
+        return sorted({int(m.group(1)) for p in (shm / job).iterdir()
+                       if (m := _RANK_FILE.match(p.name))})  # fmt: skip
+    return []
+
+
+def _run_files(run: Path, job: str, logs: bool) -> list[Path]:
+    files = [run / f"{job}.controller"]
+    with contextlib.suppress(FlashCkptError):
+        files.append(socket_path(run, job))
+    if logs:
+        files += [run / f"{job}.log", events_path(run, job)]
+    return [f for f in files if os.path.lexists(f)]
+
+
+def _hold_agent_claim(stack: contextlib.ExitStack, pid_file: Path, dry: bool) -> str | None:
+    """Hold the job's agent claim until ``stack`` closes (a shared lock for a dry run, which
+    changes nothing); why not if a live agent holds it."""
+    try:
+        if dry:
+            fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            stack.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        else:
+            stack.callback(os.close, lock_pidfile(pid_file))
+    except PidFileBusy as busy:
+        return f"its agent runs ({busy.holder()})"
+    except BlockingIOError:
+        return "its agent runs"
+    except FileNotFoundError:
+        pass
+    except (FlashCkptError, OSError) as exc:
+        return f"its agent's pid file {pid_file} cannot be checked ({exc})"
+    return None
+
+
+def _collect(shm: Path, run: Path, job: str, dry: bool, logs: bool) -> dict[str, Any]:
+    """Remove (or with ``dry`` list) a job's files unless a live process still uses them."""
+    with contextlib.ExitStack() as stack:
+        pid_file = run / f"{job}.pid"
+        if pid_file.exists() and (why := _hold_agent_claim(stack, pid_file, dry)):
+            return {"job": job, "live": why, "removed": []}
+        for rank in _ranks(shm, job):
+            if owner_path(shm, job, rank).exists() and not stack.enter_context(
+                unowned(shm, job, rank)
+            ):
+                return {"job": job, "live": f"a live process owns rank {rank}", "removed": []}
+        for rank, beat in pages(shm, job):
+            if beat.phase != Phase.CLOSED and pid_alive(beat.pid):
+                return {"job": job, "live": f"rank {rank}'s trainer (pid {beat.pid}) is alive",
+                        "removed": []}  # fmt: skip
+        doomed = [p for p in sorted((shm / job).glob("rank-*")) if not p.is_dir()]
+        doomed += _run_files(run, job, logs) + ([pid_file] if pid_file.exists() else [])
+        if not dry:
+            for rank in _ranks(shm, job):
+                free_rank(shm, job, rank)
+            for path in doomed:  # the pid file while its lock is held, as its owner would
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (shm / job).rmdir()
+        return {"job": job, "live": None, "removed": [str(p) for p in doomed]}
+
+
+def _shm_gc(args: argparse.Namespace) -> dict[str, Any]:
+    shm, run = shm_dir(args), run_dir(args)
+    named = chosen_job(args)
+    jobs = [named] if named else _jobs_on_node(shm, run)
+    return {"location": f"shared memory ({shm})", "run_dir": str(run),
+            "jobs": [_collect(shm, run, j, args.dry_run, args.logs) for j in jobs]}  # fmt: skip
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    url = locations(args)[0]
+    verb = "would remove" if args.dry_run else "removed"
+    if url == SHM:
+        if args.keep_last is not None or args.keep_every is not None:
+            raise UsageError("gc shm takes no --keep-last/--keep-every: it removes only the "
+                             "files of jobs whose processes are gone")  # fmt: skip
+        doc = _shm_gc(args)
+        for j in doc["jobs"]:
+            if j["live"]:
+                out.line(f"kept job {j['job']}: {j['live']}")
+            else:
+                out.line(f"{verb} job {j['job']}: {len(j['removed'])} file(s)")
+                for path in j["removed"]:
+                    out.line(f"  {path}")
+        if not doc["jobs"]:
+            out.line(f"no jobs in {doc['location']} or {doc['run_dir']}")
+    else:
+        if args.keep_last is None:
+            raise UsageError("gc of a tier needs --keep-last K (K >= 1: the newest committed "
+                             "step always stays)")  # fmt: skip
+        if args.logs:
+            raise UsageError("--logs is for 'gc shm' only")
+        doc = asyncio.run(_tier_gc(args, url))
+        out.line(f"job {doc['job']} in {doc['location']}: {verb} {len(doc['removed'])} "
+                 f"step(s), kept {len(doc['kept'])}")  # fmt: skip
+        for s in doc["removed"]:
+            gen = f" (generation {s['generation']})" if s["generation"] else ""
+            out.line(f"  {verb} step {s['step']}{gen}: {s['state']}")
+    out.document({"command": NAME, "ok": True, "dry_run": args.dry_run, **doc})
+    return OK

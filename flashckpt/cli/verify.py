@@ -1,0 +1,319 @@
+"""``flashckpt verify URL... [--step N] [--rank R]``: re-read a stored step as a restore would
+and report every problem: each bad chunk with its object (or slot file), byte range and
+entry, each manifest, size, replica or commit problem. Exit 1 if any is found.
+
+A tier copy is read chunk by chunk (memory stays bounded whatever the size). An entry another
+rank stores for this one (``stored_at``, a replicated entry stored once) is checked against
+that rank's manifest and its bytes are verified once, where they are stored. In shared
+memory, a slot the sealer has not reached has no checksums: it is reported as unverified
+(a restore takes it as it is), not as a problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import layout, tier_io
+from ..checksum import chunk_mismatch, crc
+from ..errors import FlashCkptError
+from ..manifest import Entry, Manifest
+from ..slot import HEADER_SIZE
+from ..slots import Snapshot
+from .common import (
+    OK,
+    PROBLEM,
+    Output,
+    Problem,
+    Progress,
+    add_dirs,
+    add_job,
+    chosen_job,
+    describe_error,
+    locations,
+    rank_arg,
+    shm_dir,
+    step_arg,
+)
+from .locations import ShmLocation, TierLocation, committed_in, job_at, newest_key, open_location
+
+NAME = "verify"
+HELP = "re-read a stored step and check every chunk against its checksum"
+BLOCK = 8 * 2**20  # bytes of whole chunks read in one request
+READS_IN_FLIGHT = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="*", metavar="URL",
+                   help="tier URL or 'shm'; several are verified one after the other")  # fmt: skip
+    p.add_argument("--tier", action="append", default=[], metavar="URL",
+                   help="a location to verify, as a URL argument does (repeatable)")  # fmt: skip
+    add_job(p)
+    p.add_argument("--step", type=step_arg, default=None, metavar="N",
+                   help="the step to verify (default: the newest committed one)")  # fmt: skip
+    p.add_argument("--rank", type=rank_arg, default=None, metavar="R",
+                   help="verify only this rank (default: every committed rank)")  # fmt: skip
+    add_dirs(p)
+
+
+@dataclass
+class Report:
+    """Everything found at one location."""
+
+    location: str
+    job: str | None = None
+    step: int | None = None
+    generation: int = 0
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def problem(self, kind: str, message: str, **where: Any) -> None:
+        self.problems.append({"kind": kind, "message": message, **where})
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def doc(self) -> dict[str, Any]:
+        return {"location": self.location, "job": self.job, "step": self.step,
+                "generation": self.generation, "ok": self.ok, "ranks": self.ranks,
+                "problems": self.problems, "notes": self.notes}  # fmt: skip
+
+
+class _Checker:
+    """Verifies the ranks of one step at one location into ``report``."""
+
+    def __init__(self, loc: TierLocation | ShmLocation, job: str, key: tuple[int, int],
+                 report: Report, progress: Progress):  # fmt: skip
+        self.loc, self.job, self.key, self.report, self.progress = loc, job, key, report, progress
+        self.seen: set[tuple[int, str]] = set()  # (rank storing the bytes, entry path) checked
+        self.manifests: dict[int, asyncio.Task] = {}
+        self.reads = asyncio.Semaphore(READS_IN_FLIGHT)
+
+    async def rank(self, rank: int) -> None:
+        if isinstance(self.loc, ShmLocation):
+            try:
+                m = self.loc.with_rank(self.job, self.key, rank, lambda s: self._slot(rank, s))
+            except Problem as exc:
+                self.report.problem("missing", str(exc), rank=rank)
+                return
+            except (FlashCkptError, OSError) as exc:
+                self.report.problem("manifest", describe_error(exc), rank=rank)
+                return
+        else:
+            m = await self._tier_rank(rank)
+        if m is None:
+            return
+        self.report.ranks.append({"rank": rank, "entries": len(m.entries), "chunks": m.n_chunks})
+
+    # ---- shared memory ---------------------------------------------------------------------
+    def _slot(self, rank: int, snap: Snapshot) -> Manifest:
+        m = snap.manifest
+        if not snap.header.sealed:
+            self.report.notes.append(f"rank {rank}: {snap.slot.path} is not sealed yet, so it "
+                                     "has no checksums to verify (a restore takes it as is)")  # fmt: skip
+            return m
+        data = snap.slot.data(snap.header)
+        where = f"{snap.slot.path} (data from byte {HEADER_SIZE})"
+        for e in m.entries:
+            self.progress.add_total(e.nbytes)
+            self._compare(data, 0, e, m.chunk_size, 0, e.chunk_ranges(m.chunk_size),
+                          (rank, str(snap.slot.path), HEADER_SIZE, where))  # fmt: skip
+            self.progress.update(e.nbytes)
+        return m
+
+    def _compare(self, buf, buf_start: int, e: Entry, chunk_size: int, first: int,
+                 ranges: list[tuple[int, int]], at: tuple[int, str, int, str]) -> None:  # fmt: skip
+        """Check chunks ``first``... of ``e`` (byte ``ranges`` in data coordinates, held in
+        ``buf`` from data byte ``buf_start``); ``at``: the rank storing them, the object or
+        file, where its data starts in it, and how to name it in messages."""
+        rank, key, base, where = at
+        for i, (a, b) in enumerate(ranges, start=first):
+            got = crc(buf[a - buf_start : b - buf_start])
+            if got != e.checksums[i]:
+                self.report.problem("chunk", str(chunk_mismatch(where, e, i, got, chunk_size)),
+                                    rank=rank, key=key, offset=base + a, end=base + b,
+                                    entry=e.path, chunk=i)  # fmt: skip
+
+    # ---- a tier ----------------------------------------------------------------------------
+    async def _manifest(self, rank: int) -> Manifest:
+        """Rank ``rank``'s stored manifest, read once however many ranks refer to it."""
+        if rank not in self.manifests:
+            gen, step = self.key
+            read = tier_io.read_manifest(self.loc.tier, self.job, step, rank, gen)
+            self.manifests[rank] = asyncio.ensure_future(read)
+        return await asyncio.shield(self.manifests[rank])
+
+    def _data_key(self, rank: int) -> str:
+        return layout.data_key(self.job, self.key[1], rank, self.key[0])
+
+    async def _tier_rank(self, rank: int) -> Manifest | None:
+        try:
+            m = await self._manifest(rank)
+        except (FlashCkptError, OSError) as exc:
+            mkey = layout.manifest_key(self.job, self.key[1], rank, self.key[0])
+            self.report.problem("manifest", describe_error(exc), rank=rank, key=mkey)
+            return None
+        todo: list[tuple[int, Entry, int]] = []
+        if await self._size_ok(rank, m.data_len):
+            todo += [(rank, e, m.chunk_size) for e in m.entries if e.stored_at is None]
+        for e in m.entries:
+            if e.stored_at is not None and (found := await self._stored(rank, e)) is not None:
+                todo.append(found)
+        fresh = []
+        for owner, e, chunk in todo:  # no await in here: the check and the claim are one step
+            if (owner, e.path) not in self.seen:
+                self.seen.add((owner, e.path))
+                fresh.append((owner, e, chunk))
+        self.progress.add_total(sum(e.nbytes for _, e, _ in fresh))
+        await asyncio.gather(*(self._blocks(*t) for t in fresh))
+        return m
+
+    async def _size_ok(self, rank: int, size: int) -> bool:
+        """Whether the data object holds exactly ``size`` bytes (what a restore checks first)."""
+        dkey = self._data_key(rank)
+        where = f"{self.loc.shown}/{dkey}"
+        try:
+            tail = await self.loc.tier.get(dkey, max(size - 1, 0), size + 1)
+        except (FlashCkptError, OSError) as exc:
+            self.report.problem("size", describe_error(exc), rank=rank, key=dkey)
+            return False
+        if len(tail) == min(size, 1):
+            return True
+        found = "more" if len(tail) > min(size, 1) else "fewer"
+        self.report.problem("size", f"{where} holds {found} than the {size} bytes its "
+                            "manifest's data_len says; the copy is truncated or corrupt, restore "
+                            "from another tier or an older step", rank=rank, key=dkey)  # fmt: skip
+        return False
+
+    async def _stored(self, rank: int, e: Entry) -> tuple[int, Entry, int] | None:
+        """The entry rank ``e.stored_at`` stores for ``rank``, checked to be the same array."""
+        where = f"{self.loc.shown} step {self.key[1]} rank {rank} stores {e.path!r} at rank {e.stored_at}"
+        try:
+            other = await self._manifest(e.stored_at)
+        except (FlashCkptError, OSError) as exc:
+            self.report.problem("replica", f"{where}, whose manifest cannot be read: "
+                                f"{describe_error(exc)}", rank=rank, entry=e.path)  # fmt: skip
+            return None
+        src = next((o for o in other.entries if o.path == e.path and o.stored_at is None), None)
+        if src is None or (src.kind, src.dtype, src.shape) != (e.kind, e.dtype, e.shape):
+            found = "no such entry" if src is None else f"{src.dtype} {list(src.shape)}"
+            self.report.problem("replica", f"{where}, whose copy has {found}; a restore of rank "
+                                f"{rank} fails", rank=rank, entry=e.path)  # fmt: skip
+            return None
+        if src.checksums != e.checksums:
+            self.report.notes.append(f"{where}: the checksums differ from that rank's; a "
+                                     "restore uses that rank's copy")  # fmt: skip
+        return e.stored_at, src, other.chunk_size
+
+    async def _blocks(self, owner: int, e: Entry, chunk_size: int) -> None:
+        ranges = e.chunk_ranges(chunk_size)
+        per = max(1, BLOCK // chunk_size)
+        await asyncio.gather(*(self._block(owner, e, chunk_size, ranges, first, per)
+                               for first in range(0, len(ranges), per)))  # fmt: skip
+
+    async def _block(self, owner: int, e: Entry, chunk_size: int,
+                     ranges: list[tuple[int, int]], first: int, per: int) -> None:  # fmt: skip
+        dkey = self._data_key(owner)
+        group = ranges[first : first + per]
+        start, end = group[0][0], group[-1][1]
+        async with self.reads:
+            try:
+                raw = await self.loc.tier.get(dkey, start, end)
+            except (FlashCkptError, OSError) as exc:
+                self.report.problem("read", describe_error(exc), rank=owner, key=dkey,
+                                    offset=start, end=end, entry=e.path)  # fmt: skip
+                return
+        where = f"{self.loc.shown}/{dkey}"
+        whole = [(a, b) for a, b in group if b - start <= len(raw)]
+        if len(whole) < len(group):
+            a, b = group[len(whole)]
+            self.report.problem("size", f"{where} ends at byte {start + len(raw)}, inside chunk "
+                                f"{first + len(whole)} of {e.path!r} (bytes {a}-{b})", rank=owner,
+                                key=dkey, offset=a, end=b, entry=e.path)  # fmt: skip
+        at = (owner, dkey, 0, where)
+        await asyncio.to_thread(self._compare, raw, start, e, chunk_size, first, whole, at)
+        self.progress.update(end - start)
+
+
+async def verify_at(url: str, args: argparse.Namespace, progress: Progress) -> Report:
+    loc = open_location(url, shm_dir(args))
+    report = Report(loc.shown)
+    try:
+        async with loc:
+            await _verify(loc, args, report, progress)
+    except Problem as exc:
+        report.problem("missing", str(exc))
+    except (FlashCkptError, OSError) as exc:
+        report.problem("location", describe_error(exc))
+    return report
+
+
+async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progress) -> None:
+    job = report.job = await job_at(loc, chosen_job(args))
+    listing = await loc.listing(job)
+    done = committed_in(listing)
+    key = newest_key(listing, args.step)
+    c = listing.get(key) if key is not None else None
+    report.step = args.step if key is None else key[1]
+    if c is None or not (c.ranks or c.problems):
+        if args.step is None:
+            raise Problem(f"job {job} has no committed step in {loc.shown}")
+        raise Problem(f"step {args.step} is not committed in {loc.shown} (committed: {done})")
+    report.generation = key[0]
+    for problem in c.problems:
+        report.problem("commit", problem)
+    if not c.complete:
+        report.problem("commit", f"{loc.shown} step {key[1]}: only ranks {sorted(c.ranks)} of "
+                       f"{c.world_size} are committed; a restore cannot use this step")  # fmt: skip
+    ranks = sorted(c.ranks)
+    if args.rank is not None:
+        if args.rank not in c.ranks:
+            report.problem("commit", f"rank {args.rank} is not committed in step {key[1]} at "
+                           f"{loc.shown} (committed ranks: {ranks})", rank=args.rank)  # fmt: skip
+        ranks = [r for r in ranks if r == args.rank]
+    checker = _Checker(loc, job, key, report, progress)
+    await asyncio.gather(*(checker.rank(r) for r in ranks))
+    bad = {p.get("rank") for p in report.problems}
+    for r in sorted(report.ranks, key=lambda r: r["rank"]):
+        r["ok"] = r["rank"] not in bad
+    report.ranks.sort(key=lambda r: r["rank"])
+
+
+def show(report: Report, out: Output) -> None:
+    gen = f" (generation {report.generation})" if report.generation else ""
+    step = f"step {report.step}{gen} in " if report.step is not None else ""
+    for r in report.ranks:
+        if r["ok"]:
+            out.line(f"step {report.step} rank {r['rank']}: {r['entries']} entries, "
+                     f"{r['chunks']} chunks OK")  # fmt: skip
+    for note in report.notes:
+        out.problem(f"note: {note}")
+    for p in report.problems:
+        out.problem(p["message"])
+    if report.problems:
+        out.problem(f"{step}{report.location}: {len(report.problems)} problem(s) found")
+    else:
+        out.line(f"{step}{report.location}: {len(report.ranks)} rank(s) verified, no "
+                 "problem found")  # fmt: skip
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    urls = locations(args)
+
+    async def go() -> list[Report]:
+        reports = []
+        with Progress("verifying") as progress:
+            for url in urls:
+                reports.append(await verify_at(url, args, progress))
+        return reports
+
+    reports = asyncio.run(go())
+    for report in reports:
+        show(report, out)
+    ok = all(r.ok for r in reports)
+    out.document({"command": NAME, "ok": ok, "results": [r.doc() for r in reports]})
+    return OK if ok else PROBLEM
