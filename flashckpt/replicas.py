@@ -91,7 +91,7 @@ class ReplicaFinder:
         self._cache: tuple[tuple, tuple[frozenset[str], Replicas | None]] | None = None
 
     def __call__(self, state: Mapping[str, Any]) -> tuple[frozenset[str], Replicas | None]:
-        if self.setting is False:
+        if self.setting is False or not isinstance(state, Mapping):  # flatten() says why
             return frozenset(), None
         ident = tuple((k, id(v)) for k, v in state.items())
         if self._cache is not None and self._cache[0] == ident:
