@@ -27,11 +27,7 @@ fresh start): the digest of every parameter, equal bit for bit to an undisturbed
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import os
-import signal
-
+import simulate  # the examples' seeded inputs, simulated failure and digest: not flashckpt
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,45 +37,8 @@ from flashckpt import Checkpointer
 IN, HIDDEN, OUT, BATCH = 32, 128, 16, 16
 
 
-def parse_args() -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=int(env("STEPS", "40")), help="steps to train")
-    p.add_argument(
-        "--tier",
-        action="append",
-        default=[t for t in env("TIER", "").split(",") if t],
-        help="where the agent persists each step, e.g. file:///tmp/ckpt-ddp (repeatable; "
-        "none: shared memory only)",
-    )
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=int(env("KILL_AT_STEP", "-1")),
-        help="on the first attempt, --kill-rank SIGKILLs itself after saving this step",
-    )
-    p.add_argument("--kill-rank", type=int, default=int(env("KILL_RANK", "1")))
-    return p.parse_args()
-
-
-def batch(step: int, rank: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's batch of ``step``: the same on every attempt, so a resumed run sees what an
-    undisturbed one would."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, IN, generator=g)
-    return x, x @ target
-
-
-def digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def main() -> None:
-    args = parse_args()
+    args = simulate.parser(__doc__, 40, "file:///tmp/ckpt-ddp", "shared memory only").parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -98,14 +57,12 @@ def main() -> None:
     ckpt = Checkpointer(*args.tier)  # flashckpt: shared memory, plus the tiers
     restored = ckpt.restore(state)  # flashckpt: the newest step, in place (None: fresh start)
     start = 0 if restored is None else restored + 1
-    # The first attempt: a fresh start, not a restart by torchrun/flashckpt-run.
-    first = restored is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if rank == 0:
-        how = "fresh" if restored is None else f"resuming after step {restored}"
-        print(f"[rank 0] {how}: steps {start}..{args.steps - 1}", flush=True)
+    first = simulate.fresh_start(restored)
+    simulate.report_start(rank, restored, start, args.steps)
 
     for step in range(start, args.steps):
-        x, y = batch(step, rank, target)
+        x = simulate.inputs(step, rank, BATCH, IN)
+        y = x @ target
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -113,16 +70,10 @@ def main() -> None:
         ckpt.save(step, state)  # flashckpt: snapshot this step (returns in milliseconds)
         if rank == 0 and step % 10 == 0:
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-        if first and step == args.kill_at:  # the simulated failure
-            dist.barrier()  # every rank has saved this step: the restart resumes after it
-            if rank == args.kill_rank:
-                print(f"[rank {rank}] SIGKILL after step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+        simulate.fail_if_asked(args, first, step, rank)
 
     ckpt.close()  # waits until the tiers hold the last step
-    if rank == 0:
-        resumed = "none" if restored is None else restored
-        print(f"final: steps={args.steps} resumed_after_step={resumed} sha256={digest(net)}")
+    simulate.report_end(rank, args.steps, restored, net.named_parameters())
     dist.destroy_process_group()
 
 

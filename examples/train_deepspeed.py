@@ -29,51 +29,23 @@ run's.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
+import gc
 import os
-import signal
 
+import simulate  # the examples' seeded inputs, simulated failure and digest: not flashckpt
 import torch
 import torch.distributed as dist
 
 IN, HIDDEN, OUT, BATCH = 32, 128, 16, 16
 
 
-def parse_args() -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args():
+    p = simulate.parser(__doc__, 30, "file:///tmp/ds-tier", "SAVE_DIR/.flashckpt")
     p.add_argument("--local_rank", type=int, default=-1, help="set by DeepSpeed's launcher")
-    p.add_argument("--steps", type=int, default=int(env("STEPS", "30")), help="steps to train")
-    p.add_argument(
-        "--save-dir",
-        default=env("SAVE_DIR", "ds-ckpt"),
-        help="the directory given to save_checkpoint/load_checkpoint",
-    )
-    p.add_argument(
-        "--tier",
-        action="append",
-        default=[t for t in env("TIER", "").split(",") if t],
-        help="where the agent persists each step, e.g. file:///tmp/ds-tier (repeatable; "
-        "none: SAVE_DIR/.flashckpt)",
-    )
+    p.add_argument("--save-dir", default=os.environ.get("SAVE_DIR", "ds-ckpt"),
+                   help="the directory given to save_checkpoint/load_checkpoint")  # fmt: skip
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage")
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=int(env("KILL_AT_STEP", "-1")),
-        help="in a fresh run, --kill-rank SIGKILLs itself after saving this step",
-    )
-    p.add_argument("--kill-rank", type=int, default=int(env("KILL_RANK", "1")))
     return p.parse_args()
-
-
-def batch(step: int, rank: int, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's batch of ``step``: the same on every attempt, so a resumed run sees what an
-    undisturbed one would."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, IN, generator=g)
-    return x, x @ target
 
 
 def main() -> None:
@@ -110,35 +82,25 @@ def main() -> None:
     path, client = engine.load_checkpoint(args.save_dir)  # the latest tag, or (None, None)
     restored = None if path is None else int(client["step"])
     start = 0 if restored is None else restored + 1
-    # The first attempt: a fresh start, not a restart by torchrun/flashckpt-run.
-    first = restored is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if rank == 0:
-        how = "fresh" if restored is None else f"resuming after step {restored} ({path})"
-        print(f"[rank 0] {how}: steps {start}..{args.steps - 1}", flush=True)
+    first = simulate.fresh_start(restored)
+    simulate.report_start(rank, restored, start, args.steps, f" ({path})")
 
     for step in range(start, args.steps):
-        x, y = batch(step, rank, target)
+        x = simulate.inputs(step, rank, BATCH, IN)
+        y = x @ target
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         engine.save_checkpoint(args.save_dir, client_state={"step": step})  # to shared memory
         if rank == 0 and step % 10 == 0:
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-        if first and step == args.kill_at:  # the simulated failure
-            dist.barrier()  # every rank has saved this step: the rerun resumes after it
-            if rank == args.kill_rank:
-                print(f"[rank {rank}] SIGKILL after step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+        simulate.fail_if_asked(args, first, step, rank)
 
     flash.close()  # waits until the tiers hold the last step
-    h = hashlib.sha256()
-    for name, p in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(p)  # a collective: every rank takes part
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().numpy().tobytes())
-    if rank == 0:
-        resumed = "none" if restored is None else restored
-        print(f"final: steps={args.steps} resumed_after_step={resumed} sha256={h.hexdigest()}")
+    full = ((n, safe_get_full_fp32_param(p)) for n, p in engine.module.named_parameters())
+    simulate.report_end(rank, args.steps, restored, full)  # gathers: every rank takes part
+    del engine, model, opt, full  # their gloo work is freed while the process group is alive
+    gc.collect()
     dist.destroy_process_group()
 
 

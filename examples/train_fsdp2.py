@@ -29,11 +29,9 @@ to an undisturbed run's.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import os
-import signal
+import gc
 
+import simulate  # the examples' seeded inputs, simulated failure and digest: not flashckpt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -43,27 +41,6 @@ from torch.distributed.tensor import DTensor
 from flashckpt import Checkpointer
 
 DIM, HEADS, SEQ, BATCH = 32, 4, 8, 8
-
-
-def parse_args() -> argparse.Namespace:
-    env = os.environ.get
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=int(env("STEPS", "30")), help="steps to train")
-    p.add_argument(
-        "--tier",
-        action="append",
-        default=[t for t in env("TIER", "").split(",") if t],
-        help="where the agent persists each step, e.g. file:///tmp/ckpt-fsdp2 (repeatable; "
-        "none: shared memory only)",
-    )
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=int(env("KILL_AT_STEP", "-1")),
-        help="on the first attempt, --kill-rank SIGKILLs itself after saving this step",
-    )
-    p.add_argument("--kill-rank", type=int, default=int(env("KILL_RANK", "1")))
-    return p.parse_args()
 
 
 class Block(torch.nn.Module):
@@ -94,26 +71,14 @@ def build() -> torch.nn.Module:
     return model
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's batch of ``step`` and its target (each position: the token before it).
-    The same on every attempt, so a resumed run sees what an undisturbed one would."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, SEQ, DIM, generator=g)
-    return x, F.pad(x[:, :-1], (0, 0, 1, 0))
-
-
-def digest(model: torch.nn.Module) -> str:
-    """sha256 of every full parameter: a collective (each rank gathers the shards)."""
-    h = hashlib.sha256()
+def full_parameters(model: torch.nn.Module):
+    """Every parameter as a full tensor: a collective (each rank gathers the shards)."""
     for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        h.update(name.encode())
-        h.update(full.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+        yield name, p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def main() -> None:
-    args = parse_args()
+    args = simulate.parser(__doc__, 30, "file:///tmp/ckpt-fsdp2", "shared memory only").parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build()
@@ -123,14 +88,12 @@ def main() -> None:
     ckpt = Checkpointer(*args.tier)  # flashckpt: shared memory, plus the tiers
     restored = ckpt.restore(state)  # flashckpt: this rank's shards of the newest step
     start = 0 if restored is None else restored + 1
-    # The first attempt: a fresh start, not a restart by torchrun/flashckpt-run.
-    first = restored is None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if rank == 0:
-        how = "fresh" if restored is None else f"resuming after step {restored}"
-        print(f"[rank 0] {how}: steps {start}..{args.steps - 1}", flush=True)
+    first = simulate.fresh_start(restored)
+    simulate.report_start(rank, restored, start, args.steps)
 
     for step in range(start, args.steps):
-        x, y = batch(step, rank)
+        x = simulate.inputs(step, rank, BATCH, SEQ, DIM)
+        y = F.pad(x[:, :-1], (0, 0, 1, 0))  # each position's target: the token before it
         loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -138,17 +101,15 @@ def main() -> None:
         ckpt.save(step, state)  # flashckpt: snapshot this rank's shards (milliseconds)
         if rank == 0 and step % 10 == 0:
             print(f"[rank 0] step {step} loss {loss.item():.4f}", flush=True)
-        if first and step == args.kill_at:  # the simulated failure
-            dist.barrier()  # every rank has saved this step: the restart resumes after it
-            if rank == args.kill_rank:
-                print(f"[rank {rank}] SIGKILL after step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+        simulate.fail_if_asked(args, first, step, rank)
 
     ckpt.close()  # waits until the tiers hold the last step
-    sha = digest(model)  # every rank takes part in the gather
-    if rank == 0:
-        resumed = "none" if restored is None else restored
-        print(f"final: steps={args.steps} resumed_after_step={resumed} sha256={sha}")
+    simulate.report_end(rank, args.steps, restored, full_parameters(model))
+    # FSDP2 keeps gloo work objects on the model; freed at interpreter exit, after the process
+    # group, they abort the process now and then ("terminate called without an active
+    # exception"). Free them while the group is alive.
+    del model, opt, state
+    gc.collect()
     dist.destroy_process_group()
 
 

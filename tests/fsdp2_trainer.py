@@ -11,6 +11,7 @@ writes its error to RESULT instead.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -73,6 +74,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    del model, opt  # FSDP2's gloo work freed while the group lives (else an abort at exit)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -43,6 +43,9 @@ WORKER = textwrap.dedent(
     with open(out, "w") as f:
         json.dump({"rank": rank, "step": step, "ok": ok, "global_shape": shard.global_shape,
                       "offset": shard.global_offset, "placements": shard.placements}, f)
+    import gc
+    del sharded, replicated, target, state  # DTensors freed while the group lives
+    gc.collect()
     dist.destroy_process_group()
     """
 )
