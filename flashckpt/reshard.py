@@ -7,9 +7,10 @@ overlaps it. Only the bytes needed are read from the tier: along the first dimen
 rows are contiguous, so each overlap is one ranged read, widened to whole checksum chunks so
 every byte read is verified before it is used.
 
-The old shards come from a tier that holds the step for every rank of the job that saved it
-(a shared tier, or a node-local one on a single node). Plain tensors, and everything else of
-the state, come from one old rank's copy (the rank's own when it had one).
+The old shards come from this node's shared memory when it holds the step of every rank
+that saved it (a single-node job restarted at another size after a crash), else from a tier
+that holds them all (a shared tier, or a node-local one on a single node). Plain tensors, and
+everything else of the state, come from one old rank's copy (the rank's own when it had one).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from . import layout, tier_io
 from .checksum import verify_entry
-from .errors import ManifestError
+from .errors import CheckpointNotFoundError, ManifestError
 from .manifest import Entry, Manifest, ShardInfo, dtype_from_name
 
 
@@ -70,15 +72,16 @@ class Resharder:
         return self.blocks[path]
 
     async def fetch(self, tier, job: str, step: int, generation: int, world: int) -> None:
-        """Read every wanted block from the ``world`` old ranks' shards of ``step``."""
-        manifests = await asyncio.gather(
-            *(tier_io.read_manifest(tier, job, step, r, generation) for r in range(world))
-        )
+        """Read every wanted block from the ``world`` old ranks' shards of ``step`` in a tier."""
+        await self.fetch_from(TierShards(tier, job, step, generation), world)
+
+    async def fetch_from(self, shards: Shards, world: int) -> None:
+        manifests = await asyncio.gather(*(shards.manifest(r) for r in range(world)))
         by_path = [{e.path: e for e in m.entries} for m in manifests]
         for want in self.wants.values():
-            self.blocks[want.path] = await self._assemble(tier, want, manifests, by_path)
+            self.blocks[want.path] = await self._assemble(shards, want, manifests, by_path)
 
-    async def _assemble(self, tier, want: Want, manifests, by_path) -> torch.Tensor:
+    async def _assemble(self, shards: Shards, want: Want, manifests, by_path) -> torch.Tensor:
         out = torch.empty(want.shape, dtype=dtype_from_name(want.dtype))
         filled, seen = 0, set()
         for m, entries in zip(manifests, by_path, strict=True):
@@ -97,7 +100,7 @@ class Resharder:
             ]  # fmt: skip
             if any(h <= low for low, h in zip(lo, hi, strict=True)):
                 continue
-            rows = await _rows(tier, m, e, lo, hi)
+            rows = await _rows(shards, m, e, lo, hi)
             old = e.shard.global_offset
             src = rows[(slice(None), *(slice(a - o, b - o) for a, b, o in
                                       zip(lo[1:], hi[1:], old[1:], strict=True)))]  # fmt: skip
@@ -106,17 +109,70 @@ class Resharder:
             filled += math.prod(b - a for a, b in zip(lo, hi, strict=True))
         if filled != math.prod(want.shape):
             raise ManifestError(
-                f"{tier.spec.url}: the shards of {want.path!r} saved at step {manifests[0].step} cover "
+                f"{shards.name}: the shards of {want.path!r} saved at step {manifests[0].step} cover "
                 f"{filled} of the {math.prod(want.shape)} elements of the block at "
                 f"{list(want.offset)} this rank needs; restore at the world size that saved it"
             )
         return out
 
 
-async def _rows(tier, m: Manifest, e: Entry, lo: list[int], hi: list[int]) -> torch.Tensor:
+class Shards(Protocol):
+    """Where the old ranks' shards of one step are read from."""
+
+    name: str
+
+    async def manifest(self, rank: int) -> Manifest: ...
+
+    async def read(self, m: Manifest, e: Entry, start: int, n: int) -> bytearray:
+        """``n`` bytes of ``e``'s data from byte ``start`` of the entry."""
+        ...
+
+
+class TierShards:
+    """The old ranks' shards of one step in a tier: manifests and ranged reads."""
+
+    def __init__(self, tier, job: str, step: int, generation: int):
+        self.tier, self.job, self.step, self.generation = tier, job, step, generation
+        self.name = tier.spec.url
+
+    async def manifest(self, rank: int) -> Manifest:
+        return await tier_io.read_manifest(self.tier, self.job, self.step, rank, self.generation)
+
+    async def read(self, m: Manifest, e: Entry, start: int, n: int) -> bytearray:
+        key = layout.data_key(m.job, m.step, m.rank, m.generation)
+        raw = bytearray(n)
+        try:
+            await self.tier.get_into(key, memoryview(raw), e.offset + start)
+        except ValueError as exc:
+            raise ManifestError(f"{self.name}/{key} is shorter than its manifest says; "
+                                "restore from another tier or an older step") from exc  # fmt: skip
+        return raw
+
+
+class MemoryShards:
+    """The old ranks' snapshots of one step in this node's shared memory, read while the
+    caller holds their shared locks (``{rank: Snapshot}``)."""
+
+    def __init__(self, snaps: dict):
+        self.snaps = snaps
+        self.name = "shared memory"
+
+    async def manifest(self, rank: int) -> Manifest:
+        if rank not in self.snaps:
+            raise CheckpointNotFoundError(f"shared memory holds no snapshot of rank {rank}")
+        return self.snaps[rank].manifest
+
+    async def read(self, m: Manifest, e: Entry, start: int, n: int) -> bytearray:
+        snap = self.snaps[m.rank]
+        return bytearray(snap.slot.data(snap.header)[e.offset + start : e.offset + start + n])
+
+
+async def _rows(
+    shards: Shards, m: Manifest, e: Entry, lo: list[int], hi: list[int]
+) -> torch.Tensor:
     """Rows ``lo[0]:hi[0]`` (global) of the saved shard ``e`` of rank ``m.rank``, verified."""
     if e.stored_at is not None:
-        raise ManifestError(f"{tier.spec.url}: {e.path!r} of rank {m.rank} is a shard stored as "
+        raise ManifestError(f"{shards.name}: {e.path!r} of rank {m.rank} is a shard stored as "
                             "a replica; the copy is corrupt")  # fmt: skip
     cs = m.chunk_size
     itemsize = dtype_from_name(e.dtype).itemsize
@@ -128,16 +184,9 @@ async def _rows(tier, m: Manifest, e: Entry, lo: list[int], hi: list[int]) -> to
     start, end = first * row, last * row
     c0, c1 = start // cs, -(-end // cs)
     span = min(c1 * cs, e.nbytes) - c0 * cs
-    key = layout.data_key(m.job, m.step, m.rank, m.generation)
-    raw = bytearray(span)
-    if span:
-        try:
-            await tier.get_into(key, memoryview(raw), e.offset + c0 * cs)
-        except ValueError as exc:
-            raise ManifestError(f"{tier.spec.url}/{key} is shorter than its manifest says; "
-                                "restore from another tier or an older step") from exc  # fmt: skip
+    raw = await shards.read(m, e, c0 * cs, span) if span else bytearray()
     part = replace(e, offset=0, nbytes=span, checksums=(e.checksums or ())[c0:c1] or None)
-    verify_entry(memoryview(raw), part, cs, f"{tier.spec.url}/{key}")
+    verify_entry(memoryview(raw), part, cs, f"{shards.name} rank {m.rank}")
     data = torch.frombuffer(raw, dtype=torch.uint8) if span else torch.empty(0, dtype=torch.uint8)
     picked = data[start - c0 * cs : end - c0 * cs].view(dtype_from_name(e.dtype))
     return picked.view(last - first, *e.shape[1:]) if e.shape else picked.view(())

@@ -15,6 +15,7 @@ has none and restores unverified, as its writer published it complete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -28,9 +29,10 @@ from .errors import (
     TierUnavailableError,
 )
 from .lineage import Lineage, newest
-from .reshard import Resharder, per_rank, portable
+from .reshard import MemoryShards, Resharder, per_rank, portable
 from .restore import Source, plan, run
-from .slots import SlotPair, read_locked
+from .slot import Slot
+from .slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +57,11 @@ def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
     return {s for g, s in held if lineage.holds(g, s)}
 
 
+def _resharded(m: Any, world: int) -> bool:
+    """Whether ``m`` holds DTensor shards saved at another world size than ``world``."""
+    return m.world_size not in (None, world) and any(e.shard for e in m.entries)
+
+
 class MemorySource:
     name = "shared memory"
 
@@ -62,8 +69,9 @@ class MemorySource:
         self.pair, self.verify = pair, verify
 
     def snapshots(self) -> dict[Key, Lineage]:
-        """This rank's READY snapshots, with the branch each belongs to; not those of DTensor
-        shards saved at another world size (resharding reads every old rank's from a tier)."""
+        """This rank's READY snapshots, with the branch each belongs to. One of DTensor shards
+        saved at another world size counts only if this node holds that step of every rank
+        that saved it (otherwise the resharding reads them from a tier)."""
         out: dict[Key, Lineage] = {}
         world = group.world_size()
         for slot in self.pair.ready():
@@ -71,12 +79,13 @@ class MemorySource:
                 with read_locked(slot) as snap:
                     if snap is None:
                         continue
-                    m = snap.manifest
-                    if m.world_size not in (None, world) and any(e.shard for e in m.entries):
-                        log.info("step %d in shared memory was saved by %d ranks, not %d: its "
-                                 "shards are resharded from a tier", m.step, m.world_size, world)  # fmt: skip
+                    m, key = snap.manifest, (snap.generation, snap.step)
+                    if _resharded(m, world) and not self._holds_every_rank(key, m.world_size):
+                        log.info("step %d in shared memory was saved by %d ranks, not %d, and "
+                                 "this node lacks some of their shards: they are resharded "
+                                 "from a tier", m.step, m.world_size, world)  # fmt: skip
                         continue
-                    out[snap.generation, snap.step] = m.lineage
+                    out[key] = m.lineage
             except CORRUPT_COPY as exc:  # holds nothing readable: not a candidate
                 log.warning("%s", exc)
         return out
@@ -87,12 +96,16 @@ class MemorySource:
     def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool, **opts: Any) -> bool:
         """Load snapshot ``key`` into ``state``; False if no intact copy. ``opts`` go to
         ``plan`` (``unmatched``, ``key_map``)."""
+        world = group.world_size()
         for slot in self.pair.ready():
             try:
                 with read_locked(slot) as snap:
                     if snap is None or (snap.generation, snap.step) != key:
                         continue
-                    producer = plan(snap.manifest, state, allow_pickle, **opts)
+                    resharder = Resharder() if _resharded(snap.manifest, world) else None
+                    producer = plan(snap.manifest, state, allow_pickle, resharder, **opts)
+                    if resharder is not None and not self._reshard(resharder, snap):
+                        continue
                     where = f"shared memory {slot.path}"
                     run(producer, Source(slot.data_tensor(snap.header), where, self.verify))
                     if snap.intact():
@@ -100,6 +113,53 @@ class MemorySource:
             except CORRUPT_COPY as exc:  # a corrupt copy: try the next
                 log.warning("%s", exc)
         return False
+
+    def _old_slots(self, key: Key, rank: int) -> list[Slot]:
+        """Rank ``rank``'s slots on this node whose header says snapshot ``key`` (opened
+        read-only; the caller closes them)."""
+        found = []
+        for i in range(N_SLOTS):
+            try:
+                slot = Slot.open_readonly(slot_path(self.pair.shm_dir, self.pair.job, rank, i))
+            except (OSError, SharedMemoryError):
+                continue
+            h = header_or_none(slot)
+            if h is not None and h.readable and (h.generation, h.step) == key:
+                found.append(slot)
+            else:
+                slot.close()
+        return found
+
+    def _holds_every_rank(self, key: Key, world: int) -> bool:
+        for r in range(world):
+            if r == self.pair.rank:
+                continue
+            slots = self._old_slots(key, r)
+            for slot in slots:
+                slot.close()
+            if not slots:
+                return False
+        return True
+
+    def _reshard(self, resharder: Resharder, own: Any) -> bool:
+        """Fetch the resharded blocks from every old rank's snapshot on this node, each read
+        under its shared lock; False if one is missing or rewritten meanwhile."""
+        key, world = (own.generation, own.step), own.manifest.world_size
+        with contextlib.ExitStack() as stack:
+            snaps = {own.manifest.rank: own}
+            for r in range(world):
+                if r in snaps:
+                    continue
+                for slot in self._old_slots(key, r):
+                    stack.callback(slot.close)
+                    snap = stack.enter_context(read_locked(slot))
+                    if snap is not None and (snap.generation, snap.step) == key:
+                        snaps[r] = snap
+                        break
+                else:
+                    return False
+            asyncio.run(resharder.fetch_from(MemoryShards(snaps), world))
+            return all(s.intact() for s in snaps.values())
 
 
 def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:

@@ -6,7 +6,9 @@ AdamW from another seed, restores (the newest step must be 3) and takes step 4. 
 writes to RESULT the full parameters and AdamW moments at step 3 (``at3``: saved, or just
 restored) and the full parameters after step 4, so runs can be compared bit for bit (at
 another world size, step 4 sees other data: only ``at3`` compares). A restore that fails
-writes its error to RESULT instead.
+writes its error to RESULT instead. ``crash`` is ``save`` that ends without ``close()``, as a
+killed job would: its snapshots stay in shared memory. With FSDP_TIER empty the Checkpointer
+has no tier (memory only). Rank 0 also writes where the restore came from (``source``).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 def main() -> None:
     phase, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    ckpt = Checkpointer(f"file://{os.environ['FSDP_TIER']}")
-    model, opt = build(0 if phase == "save" else 1)
+    tier = os.environ.get("FSDP_TIER")
+    ckpt = Checkpointer(*([f"file://{tier}"] if tier else []))
+    model, opt = build(0 if phase in ("save", "crash") else 1)
     result: dict = {}
-    if phase == "save":
+    if phase in ("save", "crash"):
         for step in range(1, 4):
             train_step(model, opt, step)
             ckpt.save(step, {"model": model, "optim": opt, "step": step})
@@ -65,15 +68,20 @@ def main() -> None:
         try:
             result["restored"] = ckpt.restore(state)
             result["at3"] = full(model, opt)
+            result["source"] = ckpt._restored_from
         except Exception as exc:  # the test reads what a user would see
             result["error"] = f"{type(exc).__name__}: {exc}"
     if "error" not in result:
         train_step(model, opt, 4)
         result["params"] = {k: v.full_tensor().tolist() for k, v in model.state_dict().items()}
-    ckpt.close()
+    if phase != "crash":
+        ckpt.close()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    if phase == "crash":
+        dist.barrier()
+        os._exit(0)  # no close(), no clean-up: the snapshots stay in shared memory
     del model, opt  # FSDP2's gloo work freed while the group lives (else an abort at exit)
     gc.collect()
     dist.destroy_process_group()

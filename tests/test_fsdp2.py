@@ -32,3 +32,16 @@ def test_fsdp2_restores_into_a_fresh_model_and_optimizer(shm_dir, run_dir, tmp_p
         other = run(ranks, "restore", tmp_path / f"at{ranks}.json", env)
         assert other.get("restored") == 3, other
         assert other["at3"] == saved["at3"], f"{ranks} ranks restored other values"
+
+
+@pytest.mark.slow
+def test_a_crashed_fsdp2_job_restarted_smaller_reshards_from_shared_memory(shm_dir, tmp_path):
+    """No tier: two ranks save and die without close(), leaving their snapshots in shared
+    memory. One rank restores step 3 from memory, assembling its whole-tensor block from both
+    old ranks' shards there: the full parameters and moments equal the saved ones."""
+    env = {**os.environ, "FLASHCKPT_JOB": "fsdp2mem", "FSDP_TIER": ""}
+    saved = run(2, "crash", tmp_path / "saved.json", env)
+    alone = run(1, "restore", tmp_path / "alone.json", env)
+    assert alone.get("restored") == 3, alone
+    assert alone["source"] == "shared memory", alone
+    assert alone["at3"] == saved["at3"]
