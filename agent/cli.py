@@ -190,9 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     raw = sys.argv[1:] if argv is None else argv
-    for arg in raw:  # masked in every message and log line of this process
-        if "://" in arg:
-            SECRETS.learn(arg.partition("=")[2] if arg.startswith("--") else arg)
+    SECRETS.learn_argv(raw)  # masked in every message and log line of this process
     p = build_parser()
     args = p.parse_args(raw)
     if args.cmd is None:

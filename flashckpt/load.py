@@ -31,17 +31,12 @@ def load(
     return run_with_tier(url, lambda tier: load_from(tier, job, step, rank, allow_pickle))
 
 
-async def jobs_in(tier) -> list[str]:
-    """The jobs a tier holds anything of."""
-    return sorted({key.split("/", 1)[0] for key in await tier.list("") if "/" in key})
-
-
 async def resolve_job(tier, job: str | None) -> str:
     """``job``, or the only job the tier holds; ConfigError naming them if there are several,
     CheckpointNotFoundError if there is none."""
     if job is not None:
         return job
-    found = await jobs_in(tier)
+    found = sorted(await tier_io.list_jobs(tier))
     where = redact(tier.spec.url)
     if not found:
         raise CheckpointNotFoundError(f"{where} holds no job; check the URL")

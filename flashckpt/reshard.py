@@ -141,11 +141,8 @@ class TierShards:
     async def read(self, m: Manifest, e: Entry, start: int, n: int) -> bytearray:
         key = layout.data_key(m.job, m.step, m.rank, m.generation)
         raw = bytearray(n)
-        try:
-            await self.tier.get_into(key, memoryview(raw), e.offset + start)
-        except ValueError as exc:
-            raise ManifestError(f"{self.name}/{key} is shorter than its manifest says; "
-                                "restore from another tier or an older step") from exc  # fmt: skip
+        await tier_io.get_range(self.tier, key, memoryview(raw), e.offset + start,
+                                f"{self.name}: {e.path!r} of rank {m.rank}")  # fmt: skip
         return raw
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import layout
-from .errors import ManifestError
+from . import config, layout
+from .errors import ConfigError, ManifestError
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
 from .slot import align
@@ -109,6 +109,22 @@ async def _marker(tier, key: str) -> layout.CommitMarker | str:
 
 Listing = dict[tuple[int, int], CommittedStep | None]
 """A tier's steps of one job by (generation, step); None for a step with no commit marker."""
+
+
+async def list_jobs(tier) -> dict[str, int]:
+    """The jobs a tier holds steps of (committed or not), with how many steps each has."""
+    by_job: dict[str, list[str]] = {}
+    for key in await tier.list(""):
+        by_job.setdefault(key.split("/", 1)[0], []).append(key)
+    out = {}
+    for job, keys in by_job.items():
+        try:
+            config.validate_name("job", job)
+        except ConfigError:  # not a job's folder
+            continue
+        if steps := layout.parse_keys(job, keys):
+            out[job] = len(steps)
+    return out
 
 
 async def list_steps(tier, job: str) -> Listing:
@@ -230,11 +246,7 @@ async def _with_replicas(
                 f"{where}, whose copy has {found}; restore from another tier or an older step"
             )
         dkey = layout.data_key(job, step, e.stored_at, gen)
-        try:
-            await tier.get_into(dkey, memoryview(out[at : at + e.nbytes].numpy()), src.offset)
-        except ValueError as exc:
-            raise ManifestError(f"{where}, whose data is truncated; restore from another tier or "
-                                "an older step") from exc  # fmt: skip
+        await get_range(tier, dkey, memoryview(out[at : at + e.nbytes].numpy()), src.offset, where)
         differ += [e.path] if e.checksums != src.checksums else []
         entries.append(replace(e, offset=at, stored_at=None, checksums=src.checksums))
         at = align(at + e.nbytes)
@@ -243,6 +255,15 @@ async def _with_replicas(
                     "copy another rank stored when they were saved; restoring that copy", step,
                     manifest.rank, len(differ), differ[0])  # fmt: skip
     return replace(manifest, entries=tuple(entries), data_len=len(out)), out
+
+
+async def get_range(tier, key: str, out: memoryview, start: int, where: str) -> None:
+    """Fill ``out`` from byte ``start`` of ``key``; a shorter object is a ManifestError."""
+    try:
+        await tier.get_into(key, out, start)
+    except ValueError as exc:
+        raise ManifestError(f"{where}, whose data is truncated (shorter than its manifest says); "
+                            "restore from another tier or an older step") from exc  # fmt: skip
 
 
 def _size_mismatch(tier, key: str, size: int, found: str) -> ManifestError:

@@ -79,6 +79,22 @@ def run_dir(monkeypatch, tmp_path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren...), from /proc."""
+    from flashckpt.proc import parent_and_state
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            children.setdefault(parent_and_state(int(entry))[0], []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            out.append(kid)
+            todo.append(kid)
+    return out
+
+
 def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail naming ``what`` on timeout."""
     deadline = time.monotonic() + timeout

@@ -19,26 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
-
-from flashckpt.proc import parent_and_state
+from conftest import ROOT, descendants
 
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
 FINAL = re.compile(r"^final: steps=(\d+) resumed_after_step=(\w+) sha256=([0-9a-f]{64})$", re.M)
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            children.setdefault(parent_and_state(int(entry))[0], []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for kid in children.get(todo.pop(), []):
-            out.append(kid)
-            todo.append(kid)
-    return out
 
 
 def launch(cmd: list[str], env: dict, timeout: float = 240) -> tuple[int, str]:

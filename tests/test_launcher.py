@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, descendants
 from faults import poll
 
 from flashckpt.events import events_path, read_events
-from flashckpt.proc import parent_and_state
 
 TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
@@ -148,20 +147,6 @@ class Cluster:
             if self.logs[n] is not None:
                 self.logs[n].close()
             shutil.rmtree(self.shm[n], ignore_errors=True)
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            parent = parent_and_state(int(entry))[0]
-            children.setdefault(parent, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for kid in children.get(todo.pop(), []):
-            out.append(kid)
-            todo.append(kid)
-    return out
 
 
 def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),

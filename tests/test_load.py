@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
-from flashckpt.storage_tiers import open_tier
 from test_replicas_reshard import FULL, JOB, STEP, manifest_of, shard_of
 
 import flashckpt
@@ -19,6 +16,7 @@ from flashckpt.errors import (
     PickleNotAllowedError,
     StateMismatchError,
 )
+from flashckpt.sources import run_with_tier
 
 
 class Opaque:
@@ -67,16 +65,12 @@ def put_shards(url: str) -> None:
         manifest_of(r, [shard_of(s, 2)], 2) for r, s in enumerate([slice(0, 5), slice(5, 10)])
     ]
 
-    async def go():
-        tier = open_tier(url)
-        try:
-            for m, d in shards:
-                await tier_io.write_rank(tier, m, memoryview(d))
-            await tier_io.commit_step(tier, JOB, STEP, "node0", [0, 1], 2)
-        finally:
-            await tier.close()
+    async def go(tier):
+        for m, d in shards:
+            await tier_io.write_rank(tier, m, memoryview(d))
+        await tier_io.commit_step(tier, JOB, STEP, "node0", [0, 1], 2)
 
-    asyncio.run(go())
+    run_with_tier(url, go)
 
 
 def test_sharded_entries_come_back_whole_or_as_one_ranks_shard(tmp_path):

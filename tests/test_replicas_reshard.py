@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-from flashckpt.storage_tiers import open_tier
 
 from flashckpt import layout, tier_io
 from flashckpt.checksum import chunk_checksums
@@ -23,6 +22,7 @@ from flashckpt.manifest import Manifest, ShardInfo
 from flashckpt.reshard import Resharder, per_rank, portable
 from flashckpt.restore import Source, plan, run
 from flashckpt.slot import align
+from flashckpt.sources import run_with_tier
 
 JOB, STEP = "rep", 7
 FULL = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)
@@ -58,17 +58,6 @@ def url(request, tmp_path) -> str:
     return f"file://{tmp_path / 'tier'}"
 
 
-def on_tier(url: str, fn):
-    async def go():
-        tier = open_tier(url)
-        try:
-            return await fn(tier)
-        finally:
-            await tier.close()
-
-    return asyncio.run(go())
-
-
 def ddp_ranks(world: int) -> list[tuple[Manifest, bytearray]]:
     """Each rank: the replicated model weight (the same everywhere) and its own RNG bytes."""
     out = []
@@ -95,7 +84,7 @@ def test_a_replica_is_stored_once_and_every_rank_reads_it_back(url):
         sizes = [len(await tier.get(layout.data_key(JOB, STEP, r))) for r in range(3)]
         return sizes, [await tier_io.read_rank(tier, JOB, STEP, r) for r in range(3)]
 
-    sizes, back = on_tier(url, go)
+    sizes, back = run_with_tier(url, go)
     # The primary stores everything; the others only their 5 own bytes (aligned).
     assert sizes == [len(ranks[0][1]), align(5), align(5)], sizes
     for r, (m, data) in enumerate(back):
@@ -112,27 +101,27 @@ def test_a_node_local_copy_is_complete_without_a_primary(url):
         await tier_io.write_rank(tier, m, memoryview(d), primary=1)
         return await tier.get(layout.manifest_key(JOB, STEP, 1))
 
-    stored = json.loads(on_tier(url, go))
+    stored = json.loads(run_with_tier(url, go))
     assert all("stored_at" not in e for e in stored["entries"])
 
 
 def test_a_bad_or_missing_primary_copy_is_a_corrupt_copy(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     ranks = ddp_ranks(2)
-    on_tier(url, lambda t: asyncio.gather(
+    run_with_tier(url, lambda t: asyncio.gather(
         *(tier_io.write_rank(t, m, memoryview(d), primary=0) for m, d in ranks)))  # fmt: skip
     data0 = tmp_path / "tier" / layout.data_key(JOB, STEP, 0)
     good = data0.read_bytes()
     data0.write_bytes(b"\xff" + good[1:])  # the replicated weight of rank 0, flipped
-    m, d = on_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
+    m, d = run_with_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
     with pytest.raises(ChecksumError, match="'model'"):
         restore(m, d, "rank 1")
     data0.write_bytes(good[:100])
     with pytest.raises(ManifestError, match="truncated|fewer"):
-        on_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
+        run_with_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
     (tmp_path / "tier" / layout.manifest_key(JOB, STEP, 0)).unlink()
     with pytest.raises(CheckpointNotFoundError):
-        on_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
+        run_with_tier(url, lambda t: tier_io.read_rank(t, JOB, STEP, 1))
 
 
 def test_stored_at_is_checked_like_every_other_field():
@@ -152,13 +141,13 @@ def test_stored_at_is_checked_like_every_other_field():
 def store_shards(url: str, rows: list[slice], chunk: int = 64) -> None:
     world = len(rows)
     shards = [manifest_of(r, [shard_of(s, world)], world, chunk) for r, s in enumerate(rows)]
-    on_tier(url, lambda t: asyncio.gather(*(tier_io.write_rank(t, m, memoryview(d))
+    run_with_tier(url, lambda t: asyncio.gather(*(tier_io.write_rank(t, m, memoryview(d))
                                             for m, d in shards)))  # fmt: skip
 
 
 def fetch(url: str, world: int, offset: tuple[int, int], shape: tuple[int, int]) -> tuple:
     """The block at ``offset``/``shape``, and the bytes read from the tier for it."""
-    saved = on_tier(url, lambda t: tier_io.read_manifest(t, JOB, STEP, 0)).entries[0]
+    saved = run_with_tier(url, lambda t: tier_io.read_manifest(t, JOB, STEP, 0)).entries[0]
     target = ShardInfo((10, 6), offset, ("Shard(dim=0)",), (1,))
     resharder = Resharder()
     assert resharder.want("w", saved, target, shape) == ""
@@ -174,7 +163,7 @@ def fetch(url: str, world: int, offset: tuple[int, int], shape: tuple[int, int])
         tier.get_into = counted
         await resharder.fetch(tier, JOB, STEP, 0, world)
 
-    on_tier(url, go)
+    run_with_tier(url, go)
     return resharder.block("w"), sum(read)
 
 

@@ -98,9 +98,7 @@ def _fail(args: argparse.Namespace, out: Output, exc: BaseException, code: int) 
 
 def main(argv: list[str] | None = None) -> None:
     raw = sys.argv[1:] if argv is None else argv
-    for arg in raw:  # masked even in argparse's own error messages
-        if "://" in arg or "?" in arg:
-            SECRETS.learn(arg.partition("=")[2] if arg.startswith("--") else arg)
+    SECRETS.learn_argv(raw)
     parser = build_parser()
     args = parser.parse_args(raw)
     if args.cmd is None:

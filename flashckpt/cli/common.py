@@ -68,6 +68,13 @@ class Secrets:
                 self.learn_userinfo(value)  # endpoint_url=http://user:password@host
         self.learn_userinfo(str(url).partition("?")[0])
 
+    def learn_argv(self, argv: list[str]) -> None:
+        """Learn the secrets of every URL on a command line (``--opt=URL`` too), so they are
+        masked even in argparse's own messages."""
+        for arg in argv:
+            if "://" in arg or "?" in arg:
+                self.learn(arg.partition("=")[2] if arg.startswith("--") else arg)
+
     def learn_userinfo(self, url: str) -> None:
         try:
             parts = urlsplit(url)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import config, layout, tier_io
+from .. import layout, tier_io
 from ..errors import FlashCkptError, SharedMemoryError
 from ..lineage import Lineage
 from ..manifest import Manifest
@@ -94,16 +94,7 @@ class TierLocation:
 
     async def jobs(self) -> dict[str, int]:
         """The jobs stored here, with how many steps each has."""
-        by_job: dict[str, list[str]] = {}
-        for key in await self.tier.list(""):
-            by_job.setdefault(key.split("/", 1)[0], []).append(key)
-        out = {}
-        for job, keys in by_job.items():
-            with contextlib.suppress(FlashCkptError):
-                config.validate_name("job", job)
-                if steps := layout.parse_keys(job, keys):
-                    out[job] = len(steps)
-        return out
+        return await tier_io.list_jobs(self.tier)
 
     async def listing(self, job: str) -> tier_io.Listing:
         return await tier_io.list_steps(self.tier, job)
