@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -145,7 +146,7 @@ class TierWorker:
         self.rank_concurrency = option(spec, "rank_concurrency", 0, int) or 4
         self.retire_abandoned = bool(option(spec, "retire_abandoned", 0, int))
         self.temp_grace_s = option(spec, "temp_grace_s", TEMP_GRACE_S, float)
-        self._last_persist_time = 0.0
+        self._last_persist_time = -math.inf  # none yet: the first step is never throttled
         self._busy = False
         self._stopping = False
         self._refused: Key = NONE  # the last step refused for a job-size mismatch (warned once)
