@@ -1,7 +1,8 @@
 """Blocking time of Checkpointer.save() against memcpy, torch.save and DCP, in one run.
 
     python benchmarks/snapshot.py                 # CPU, ~1.2 GiB model + AdamW state
-    python benchmarks/snapshot.py --device cuda   # blocking and overlapped device snapshots
+    python benchmarks/snapshot.py --device cuda   # one GPU, 4.5 GiB: see snapshot_cuda.py
+    python benchmarks/snapshot.py --device cuda --integrations  # + FSDP2, Accelerate, DeepSpeed
     python benchmarks/snapshot.py --case fsdp2    # 2 gloo ranks, FSDP2 shards (~250 MB a rank)
     python benchmarks/snapshot.py --case deepspeed  # 2 gloo ranks, ZeRO-2 save_checkpoint()
 
@@ -35,6 +36,7 @@ import tempfile
 import time
 import uuid
 
+import snapshot_cuda
 import torch
 from snapshot_harness import launch, linear_stack, local_tensors, size_of, timed
 
@@ -201,58 +203,6 @@ def cpu(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def gpu(args: argparse.Namespace) -> None:
-    model, opt = build(args.params_m, "cuda")
-    train_step(model, opt, "cuda")
-    state = {"model": model, "optim": opt}
-    nbytes = state_bytes(state)
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def d2h() -> None:
-        pinned.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-
-    d2h()
-    t_d2h = statistics.median(timed(d2h) for _ in range(args.rounds))
-
-    def step_time(ck: Checkpointer | None, n: int) -> float:
-        times = []
-        for i in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if ck is not None:
-                ck.save(i, state)
-            train_step(model, opt, "cuda")
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    with Checkpointer(job="bench-block", overlap=False) as ck:
-        ck.restore(state)
-        ck.save(0, state)
-        torch.cuda.synchronize()
-        t_block = statistics.median(
-            timed(lambda i=i: ck.save(i + 1, state)) for i in range(args.rounds)
-        )
-    t_plain = step_time(None, args.rounds)
-    with Checkpointer(job="bench-overlap", overlap=True) as ck:
-        ck.restore(state)
-        step_time(ck, 2)
-        t_overlap = step_time(ck, args.rounds)
-    stall = max(0.0, t_overlap - t_plain)
-    print(f"state: {nbytes / 2**30:.2f} GiB on {torch.cuda.get_device_name()}")
-    print(row("pinned device-to-host copy (baseline)", t_d2h, nbytes, None))
-    print(row("flashckpt save(), blocking", t_block, nbytes, t_d2h))
-    print(
-        f"training step without saving {t_plain * 1e3:.1f} ms, with overlapped save every step {t_overlap * 1e3:.1f} ms"
-    )
-    print(
-        f"RESULT blocking_save/d2h_bandwidth={t_d2h / t_block:.2f} (target >= 0.80) "
-        f"overlapped_stall/copy_time={stall / t_d2h:.2f} (target <= 0.10)"
-    )
-
-
 PARAMS_M = {"single": 100, "fsdp2": 40, "deepspeed": 25}  # ~250 MB a rank for the two-rank cases
 
 
@@ -271,6 +221,7 @@ def main() -> None:
         "model) + x12 over 2 ranks (ZeRO-2's fp32 copy + AdamW)",
     )
     p.add_argument("--rounds", type=int, default=5)
+    snapshot_cuda.arguments(p)
     p.add_argument("--dir", help="where the two-rank cases write files (default: a temp dir)")
     p.add_argument("--work-dir", help=argparse.SUPPRESS)  # set by the launch, for the ranks
     args = p.parse_args()
@@ -289,7 +240,11 @@ def main() -> None:
     shm = f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}"
     os.environ.setdefault("FLASHCKPT_SHM_DIR", shm)
     try:
-        (gpu if args.device == "cuda" else cpu)(args)
+        if args.device == "cuda":
+            args.layers = args.layers or snapshot_cuda.layers_for(args.gib)
+            snapshot_cuda.main(args)
+        else:
+            cpu(args)
     finally:
         shutil.rmtree(shm, ignore_errors=True)  # only the directory this run made
 

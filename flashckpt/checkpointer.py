@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
-from . import config, cuda, group, heartbeat
+from . import config, device, group, heartbeat
 from .agent_client import AgentClient, socket_path
+from .agreement import restore_agreed
+from .device_copy import DeviceCopier, PendingCopy
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .events import EventLog
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
 from .heartbeat import Heartbeat, Phase
-from .lineage import Lineage, newest
+from .lineage import Lineage
 from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .replicas import ReplicaFinder
 from .safe_paths import write_atomic
@@ -82,10 +84,12 @@ class Checkpointer:
         self._pair = SlotPair(self.shm_dir, self.job, self.rank)
         self._layout: Layout | None = None
         self._sealer = Sealer()
-        self._prep = SlotPreparer(self._pair)
-        self._pending: Future | None = None  # a CUDA snapshot still being copied
+        self._rt = device.runtime()
+        self._prep = SlotPreparer(self._pair, self._rt)
+        self._pending: Future | None = None  # a device snapshot still being copied
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
-        self._copier: cuda.DeviceCopier | None = None
+        # Made now: in overlapped mode it watches optimizer steps from the first one on.
+        self._copier = DeviceCopier(self._rt, self.overlap)
         self._lock = threading.RLock()
         self._closed = False
         self._agent: AgentClient | None = None
@@ -122,12 +126,12 @@ class Checkpointer:
             beat = self._beat()
             if beat is not None:
                 beat.phase(Phase.SAVE, step)
-            capacity, on_device = need + max(_MANIFEST_HEADROOM, len(raw)), _on_device(leaves)
-            self._prep.ready_target(need, capacity, on_device)
+            capacity = need + max(_MANIFEST_HEADROOM, len(raw))
+            self._prep.ready_target(need, capacity)
             try:
                 self._snapshot(step, state, layout, leaves, manifest, raw, (need, capacity))
-            finally:  # other slots (a spare too, once needed) once the copy is done
-                self._prep.the_rest_in_background(capacity, on_device)
+            finally:  # other slots (a spare too, once needed) once the copy is queued
+                self._prep.the_rest_in_background(capacity, self._device_of(leaves))
             if beat is not None:
                 beat.progress(step)
             self._save_stall += time.perf_counter() - began
@@ -142,7 +146,7 @@ class Checkpointer:
             # Persistence lags: readers hold the older slots and the newest snapshot is kept.
             # A spare slot is readied now, once, and from then on it turns with the rest.
             try:
-                self._prep.ready_spare(capacity, _on_device(leaves))
+                self._prep.ready_spare(capacity)
                 slot = self._pair.acquire_for_write(need)
             except SharedMemoryError as exc:  # no room for a spare: skip while it lags
                 self._pair.in_use = in_use
@@ -157,20 +161,23 @@ class Checkpointer:
         self._sealer.cancel(slot)
         try:
             slot.begin_write()
-            pairs = [
-                (_dst(slot, e, lf), lf.tensor) for e, lf in zip(layout.entries, leaves, strict=True)
-            ]
-            on_device = [(d, s) for d, s in pairs if s.is_cuda]
-            for dst, src in pairs:
-                if not src.is_cuda:
-                    copy_into(dst, src)
-            if on_device:
-                done = self._device_copier().copy(on_device, cuda.optimizer_owned(state.values()))
-                if self.overlap:
-                    self._pending = self._background.submit(
-                        self._publish_after, done, slot, manifest, raw
-                    )
-                    return
+            on_host, on_device = [], []
+            for e, lf in zip(layout.entries, leaves, strict=True):
+                pair = (_dst(slot, e, lf), lf.tensor, e.path)
+                (on_device if self._rt.is_device_tensor(lf.tensor) else on_host).append(pair)
+            pending = None
+            if on_device:  # queued first: the host copies below run while they do
+                deferred = self._copier.deferrable(state.values())
+                pending = self._copier.copy(on_device, deferred)
+            for dst, src, _ in on_host:
+                copy_into(dst, src)
+            if pending is not None and self.overlap:
+                self._pending = self._background.submit(
+                    self._publish_after, pending, slot, manifest, raw
+                )
+                return
+            if pending is not None:
+                pending.wait()
             self._publish(slot, manifest, raw)
         except BaseException:
             self._abandon(slot)
@@ -219,7 +226,7 @@ class Checkpointer:
                 self._events.record("restored", rank=self.rank, step=restored,
                                     seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
             # Ready the slots off the training step, the one the first save() goes to first.
-            self._prep.the_rest_in_background(capacity, _on_device(leaves))
+            self._prep.the_rest_in_background(capacity, self._device_of(leaves))
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "
@@ -270,10 +277,9 @@ class Checkpointer:
             finally:
                 self._closed = True
                 self._background.shutdown(wait=True)
+                self._copier.close()
                 self._prep.close()
                 self._sealer.close()
-                if self._copier is not None:
-                    self._copier.close()
                 if not remove and self._last_saved is not None:
                     marker = closed_marker_path(self.shm_dir, self.job, self.rank)
                     write_atomic(marker, f"{self._last_saved} {self.generation}".encode())
@@ -281,6 +287,30 @@ class Checkpointer:
                 self._pair.close(remove=remove)
                 if self._agent is not None:
                     self._agent.close()
+
+    def fence(self) -> None:
+        """Make the device wait, before any work queued after this call, for the copies of
+        the snapshot in flight (overlapped mode). ``optimizer.step()`` does this by itself;
+        call it before writing in place, outside an optimizer step, to a tensor the last
+        ``save()`` holds (``p.data.clamp_()``, a hand-written update, work on another stream).
+        Returns at once: the wait is queued on the device, not done on the CPU."""
+        self._copier.fence()
+
+    def overlap_with_step(self, *objects: Any) -> None:
+        """Declare tensors that only an optimizer step writes besides the optimizers' own
+        parameters and state (a framework that updates its own copy of the parameters after
+        the optimizer steps, as DeepSpeed's ZeRO does): modules (their parameters) or tensors.
+        Their copies then overlap forward and backward too."""
+        for obj in objects:
+            tensors = obj.parameters() if isinstance(obj, torch.nn.Module) else [obj]
+            self._copier.also_step_written(tensors)
+
+    def _device_of(self, leaves: list[Leaf]) -> Any:
+        """The device of the state's first device tensor, or None for a host state."""
+        for lf in leaves:
+            if self._rt.is_device_tensor(lf.tensor):
+                return self._rt.device_of(lf.tensor)
+        return None
 
     def _beat(self) -> Heartbeat | None:
         """This rank's heartbeat page, made on first use once the rank is claimed."""
@@ -338,14 +368,10 @@ class Checkpointer:
         if fut is not None:
             fut.result()
 
-    def _device_copier(self) -> cuda.DeviceCopier:
-        if self._copier is None:
-            self._copier = cuda.DeviceCopier(self.overlap)
-        return self._copier
-
     def _publish(self, slot: Slot, manifest: Manifest, raw: bytes) -> None:
         slot.publish(manifest.step, manifest.data_len, raw, manifest.n_chunks, manifest.generation)
         seq = slot.seq()
+        self._pair.written(slot)
         slot.unlock()
         self._sealer.release()
         self._sealer.submit(slot, seq, manifest)
@@ -357,17 +383,26 @@ class Checkpointer:
             )  # fmt: skip
 
     def _publish_after(
-        self, done: torch.cuda.Event, slot: Slot, manifest: Manifest, raw: bytes
+        self, pending: PendingCopy, slot: Slot, manifest: Manifest, raw: bytes
     ) -> None:
+        """Publish once the overlapped copies have landed, unless the snapshot is torn."""
         try:
-            done.synchronize()
-            self._publish(slot, manifest, raw)
+            pending.wait()
         except BaseException:
             self._abandon(slot)
             raise
+        if pending.torn is None:
+            self._publish(slot, manifest, raw)
+            return
+        self._abandon(slot)
+        self.skipped += 1
+        log.warning("step %d of rank %d dropped: %s, so the copy may hold either value; the "
+                    "step before it stays the newest. Call Checkpointer.fence() before such "
+                    "writes (see the README)", manifest.step, self.rank, pending.torn)  # fmt: skip
 
     def _abandon(self, slot: Slot) -> None:
         """A write that failed leaves the slot WRITING (never readable) and unlocked."""
+        self._pair.written(slot)
         slot.unlock()
         self._sealer.release()
 
@@ -375,52 +410,18 @@ class Checkpointer:
                  opts: dict) -> int | None:  # fmt: skip
         """Restore the newest step every rank can get, each rank from its fastest source, and
         set the branch the next saves go to."""
-        sources = [MemorySource(self._pair, self.verify)]
+        sources = [MemorySource(self._pair, self.verify, self._prep.pinner.pinned)]
         sources += [TierSource(url, self.job, self.rank, self.verify) for url in self.tiers]
-        held = [src.snapshots() for src in sources]
-        known = {k: lin for h in held for k, lin in h.items()}
-        # Every rank follows the branch of the newest generation any rank holds: steps of an
-        # abandoned branch (saved before a rollback) are never candidates.
-        lineage = newest(group.gather(newest(list(known.values()))))  # type: ignore[arg-type]
-        mine = {s: (g, s) for g, s in known if lineage.holds(g, s)}
-        newest_held = max(group.gather(max(mine, default=-1)))  # type: ignore[type-var]
-        newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
-        restored = self._load_agreed(state, sources, held, mine, step, allow, opts)
-        if restored == newest_held or newest_held < 0:
-            self._lineage = lineage
-        else:
-            # Going back (asked for, or past corrupt copies) starts a new branch: the steps
-            # saved from here on are stored apart from the abandoned ones, and preferred.
-            self._lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
+        got = restore_agreed(state, sources, step, allow, opts, self.job)
+        if got.source is not None:
+            log.info("restored step %d of rank %d from %s", got.step, self.rank, got.source)
+            self._restored_from = got.source
+        if got.step != got.newest_held and got.newest_held >= 0:  # went back: a new branch
             log.info("job %s rank %d: restored step %s of %d held; later saves start "
-                     "generation %d", self.job, self.rank, restored, newest_held,
-                     self._lineage.generation)  # fmt: skip
-        return restored
-
-    def _load_agreed(self, state: Mapping[str, Any], sources: list, held: list[dict],
-                     mine: dict[int, tuple[int, int]], step: int | None,
-                     allow: bool, opts: dict) -> int | None:  # fmt: skip
-        """Load the newest step of ``mine`` every rank can get (or ``step``); the step."""
-        candidates = set(mine)
-        group.warn_if_some_hold_none(bool(candidates), self.job, asked=step)
-        while True:
-            choice = group.newest_common(candidates) if step is None else step
-            if choice is None:
-                return None
-            key, ok, error = mine.get(choice), False, None
-            try:  # a bad copy makes load() False; anything raised is an error of the caller's
-                for src, keys in zip(sources, held, strict=True):
-                    if key in keys and src.load(state, key, allow, **opts):
-                        log.info("restored step %d of rank %d from %s", choice, self.rank, src.name)
-                        ok, self._restored_from = True, src.name
-                        break
-            except Exception as exc:  # raised below on every rank together, not here alone
-                error = exc
-            if group.all_true(ok, error):
-                return choice
-            if step is not None:
-                return None
-            candidates.discard(choice)
+                     "generation %d", self.job, self.rank, got.step, got.newest_held,
+                     got.lineage.generation)  # fmt: skip
+        self._lineage = got.lineage
+        return got.step
 
     def _connect_agent(self) -> None:
         if self.tiers and self._agent is None:
@@ -477,10 +478,6 @@ class Checkpointer:
         return self._agent.wait_persisted(
             self.rank, self._last_saved, self.generation, self.close_timeout, **shape
         )
-
-
-def _on_device(leaves: list[Leaf]) -> bool:
-    return any(lf.tensor.is_cuda for lf in leaves)
 
 
 def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:

@@ -88,6 +88,10 @@ class FlashCheckpointEngine(CheckpointEngine):
         if self.ckpt is None:
             tiers = self.tiers or (pointer_file.dir_tier(directory),)
             self.ckpt = Checkpointer(*tiers, **self.args)
+            # The module's parameters are DeepSpeed's own copies (bf16/fp16, or the flat
+            # buffers ZeRO partitions from): the engine writes them only after its optimizer
+            # steps, so their copies overlap forward and backward like the optimizer's.
+            self.ckpt.overlap_with_step(self.engine.module)
         return self.ckpt
 
     # ---- saving -----------------------------------------------------------------------

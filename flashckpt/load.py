@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import tier_io
+from .entry_copy import Source
 from .errors import CheckpointNotFoundError, ConfigError, ManifestError
 from .reshard import Resharder
-from .restore import Planner, Source, refuse_pickles
+from .restore import Planner, refuse_pickles
 from .sources import run_with_tier
 from .storage_tiers.registry import redact
 

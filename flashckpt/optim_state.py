@@ -3,15 +3,15 @@
 Optimizers create their per-parameter state lazily, at the first ``step()``. A snapshot's
 state restored into a fresh one would arrive as plain tensors, while a sharded model's
 (FSDP2, tensor parallel) optimizer state must be DTensors on the parameters' mesh and
-placements. So before a restore, the parameters the snapshot holds state for get that state
-created the way the optimizer's own first step creates it: a step on zero gradients at a
-learning rate of zero, which changes no parameter. The snapshot's values then overwrite it in
-place.
+placements, and a GPU optimizer's state belongs on the GPU. So before a restore, the
+parameters the snapshot holds state for get that state created the way the optimizer's own
+first step creates it: a step on zero gradients at a learning rate of zero, which changes no
+parameter. The snapshot's values then overwrite it in place (uploaded once, for a device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -24,20 +24,27 @@ def params_in_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def needs_state(opt: Any, indices: Collection[int]) -> bool:
+def needs_state(
+    opt: Any, indices: Collection[int], on_device: Callable[[torch.Tensor], bool]
+) -> bool:
     """Whether ``opt`` is a fresh optimizer whose state for ``indices`` must be created before
-    a restore: it has none yet and some of those parameters are DTensors."""
+    a restore: it has none yet and some of those parameters are DTensors or ``on_device``
+    (restored in place, the state is uploaded once instead of coming back on the host for
+    ``load_state_dict`` to move)."""
     if not isinstance(opt, torch.optim.Optimizer) or opt.state or not indices:
         return False
     params = params_in_order(opt)
-    return DTensor is not None and any(
-        0 <= i < len(params) and isinstance(params[i], DTensor) for i in indices
+    return any(
+        0 <= i < len(params)
+        and ((DTensor is not None and isinstance(params[i], DTensor)) or on_device(params[i]))
+        for i in indices
     )
 
 
-def create_state(opt: torch.optim.Optimizer, indices: Collection[int]) -> None:
+def create_state(opt: torch.optim.Optimizer, indices: Collection[int]) -> bool:
     """Create ``opt``'s state for the parameters at ``indices`` without changing any
-    parameter; gradients and learning rates are put back as they were."""
+    parameter; gradients and learning rates are put back as they were. False, with nothing
+    created, for an optimizer whose step needs a closure (LBFGS)."""
     params = params_in_order(opt)
     chosen = {i for i in indices if 0 <= i < len(params)}
     grads = [p.grad for p in params]
@@ -47,9 +54,14 @@ def create_state(opt: torch.optim.Optimizer, indices: Collection[int]) -> None:
             p.grad = torch.zeros_like(p) if i in chosen and p.requires_grad else None
         for group, lr in rates:
             group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        opt.step()
+        try:
+            opt.step()
+        except TypeError:  # step(closure): its state comes from load_state_dict instead
+            opt.state.clear()
+            return False
     finally:
         for group, lr in rates:
             group["lr"] = lr
         for p, g in zip(params, grads, strict=True):
             p.grad = g
+    return True

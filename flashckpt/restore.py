@@ -7,22 +7,17 @@ if there is none does ``run`` copy the bytes, verifying each entry's checksums f
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import itertools
-import os
 import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import optim_state
-from .checksum import chunk_mismatch, crc, verify_entry
+from . import device, optim_state
+from .entry_copy import Source
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from .flatten import DTensor, copy_into, is_stateful, join, tensor_source
 from .manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
@@ -30,21 +25,6 @@ from .reshard import Resharder
 
 Producer = Callable[["Source"], Any]
 MAX_LISTED = 10
-_PARALLEL_MIN = 1 << 20  # entries this large are copied and verified on every core
-_PIECE = 1 << 20  # checked right after its copy, while it is still in the core's cache
-_N_WORKERS = max(1, min(8, os.cpu_count() or 1))
-
-
-@functools.cache
-def _workers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_N_WORKERS, thread_name_prefix="flashckpt-restore")
-
-
-def _byte_copyable(dst: torch.Tensor, nbytes: int) -> bool:
-    return (
-        dst.device.type == "cpu" and dst.is_contiguous() and not dst.is_conj()
-        and not dst.is_neg() and dst.numel() * dst.element_size() == nbytes
-    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,74 +32,6 @@ class Mismatch:
     path: str
     kind: str  # missing | unexpected | shape | dtype | type | length | shard
     detail: str
-
-
-@dataclass
-class Source:
-    """The bytes of one rank's snapshot, wherever they are (a slot, a file, a buffer)."""
-
-    data: torch.Tensor  # uint8, the whole data region
-    where: str
-    verify: bool = True
-
-    def _raw(self, entry: Entry) -> torch.Tensor:
-        raw = self.data[entry.offset : entry.offset + entry.nbytes]
-        return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
-
-    def _check(self, entry: Entry, chunk_size: int) -> None:
-        verify_entry(memoryview(self.data.numpy()), entry, chunk_size, self.where)
-
-    def view(self, entry: Entry, chunk_size: int) -> torch.Tensor:
-        """The entry's bytes as a tensor, verified first."""
-        if self.verify:
-            self._check(entry, chunk_size)
-        return self._raw(entry)
-
-    def copy_to(self, dst: torch.Tensor, entry: Entry, chunk_size: int) -> None:
-        """Copy the entry into ``dst``, verified. Large entries are split over the restore
-        workers chunk by chunk; each copies a piece and checksums the bytes that landed in
-        ``dst`` while they are still in its cache, so verifying costs a second read of cache,
-        not of memory. A mismatch raises, and the caller falls back to another source, which
-        rewrites every entry."""
-        if (
-            not self.verify or entry.checksums is None or entry.nbytes < _PARALLEL_MIN
-            or not _byte_copyable(dst, entry.nbytes)
-        ):  # fmt: skip
-            copy_into(dst, self.view(entry, chunk_size))
-            return
-        n = entry.n_chunks(chunk_size)
-        if entry.offset < 0 or entry.offset + entry.nbytes > self.data.numel():
-            raise ManifestError(
-                f"{self.where}: {entry.path!r} claims bytes {entry.offset}-"
-                f"{entry.offset + entry.nbytes}, past the {self.data.numel()} bytes stored; "
-                "the manifest is corrupt, restore from another tier or an older step"
-            )
-        if len(entry.checksums) != n:
-            raise ManifestError(
-                f"{self.where}: {entry.path!r} has {len(entry.checksums)} checksums for {n} "
-                "chunks; the manifest is corrupt, restore from another tier or an older step"
-            )
-        out = dst.detach().reshape(-1).view(torch.uint8)
-        landed = memoryview(out.numpy())
-        src_at, dst_at = self.data.data_ptr() + entry.offset, out.data_ptr()
-
-        def work(first: int, last: int) -> tuple[int, int] | None:
-            for i in range(first, last):
-                lo, hi = i * chunk_size, min((i + 1) * chunk_size, entry.nbytes)
-                value = 0
-                for p in range(lo, hi, _PIECE):
-                    q = min(p + _PIECE, hi)
-                    ctypes.memmove(dst_at + p, src_at + p, q - p)  # releases the GIL
-                    value = crc(landed[p:q], value)
-                if value != entry.checksums[i]:
-                    return i, value
-            return None
-
-        bounds = [k * n // _N_WORKERS for k in range(_N_WORKERS + 1)]
-        pending = [_workers().submit(work, a, b) for a, b in itertools.pairwise(bounds) if a < b]
-        bad = [r for f in pending if (r := f.result()) is not None]
-        if bad:
-            raise chunk_mismatch(self.where, entry, bad[0][0], bad[0][1], chunk_size)
 
 
 def _decode_key(node: Any) -> Any:
@@ -151,6 +63,7 @@ class Planner:
         self.mismatches: list[Mismatch] = []
         self.pickled: list[str] = []
         self.replaced = 0  # leaves that are not in-place tensor copies
+        self.created: list[Any] = []  # fresh optimizers given state to load into
 
     def entry(self, node: dict) -> Entry:
         try:
@@ -237,8 +150,9 @@ class Planner:
             )
             return lambda src: target
         indices = _state_indices(node["v"])
-        if optim_state.needs_state(target, indices):
-            optim_state.create_state(target, indices)
+        fresh = optim_state.needs_state(target, indices, device.runtime().is_device_tensor)
+        if fresh and optim_state.create_state(target, indices):
+            self.created.append(target)
         template = target.state_dict()
         # A module's keys are its contract; an optimizer fills its state lazily, so a fresh one
         # has none of the keys the snapshot holds and its own load_state_dict judges them.
@@ -250,6 +164,7 @@ class Planner:
         def produce(src: Source) -> Any:
             sd = inner(src)
             if needs_load:
+                src.flush()  # device copies land before load_state_dict() sees the tensors
                 target.load_state_dict(sd)
             return target
 
@@ -406,6 +321,8 @@ def plan(
     producer = planner.match(manifest.tree, state, "", lenient=False)
     where = f"snapshot of step {manifest.step} (job {manifest.job}, rank {manifest.rank})"
     if planner.mismatches and unmatched is None:
+        for opt in planner.created:  # nothing loaded: the optimizer stays as fresh as it was
+            opt.state.clear()
         raise StateMismatchError(_describe(planner.mismatches, where))
     if unmatched is not None:
         unmatched[:] = planner.mismatches
@@ -427,6 +344,7 @@ def refuse_pickles(pickled: list[str], where: str) -> None:
 def run(producer: Producer, source: Source) -> None:
     with torch.no_grad():
         producer(source)
+        source.flush()
 
 
 def _describe(mismatches: list[Mismatch], where: str) -> str:

@@ -163,6 +163,7 @@ class SlotPair:
         self.paths = [slot_path(shm_dir, job, rank, i) for i in range(N_SLOTS)]
         self.slots: list[Slot | None] = [None] * N_SLOTS
         self.busy: set[int] = set()  # slots being prepared in the background: not to be touched
+        self.writing: set[int] = set()  # slots a snapshot is being written into (copies in flight)
         # Slots in use: two, and a spare each time readers held every slot but the newest
         # (persistence lags), or the spares found from an earlier run.
         self.in_use = N_STEADY
@@ -299,10 +300,15 @@ class SlotPair:
             if i == newest or slot is None or i in self.busy or slot.capacity < need:
                 continue
             if slot.try_lock(exclusive=True):
+                self.writing.add(i)
                 return slot
         if self.in_use < self.max_in_use:
             self.in_use += 1  # the caller readies a spare; from then on it turns with the rest
         return None
+
+    def written(self, slot: Slot) -> None:
+        """The write into ``slot`` is over (published or given up): others may touch it."""
+        self.writing.difference_update(i for i, s in enumerate(self.slots) if s is slot)
 
     def close(self, remove: bool) -> None:
         """Unmap the slots; with ``remove``, delete them and the owner file, but only while

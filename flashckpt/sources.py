@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from . import group, tier_io
+from .entry_copy import Source
 from .errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -30,7 +31,7 @@ from .errors import (
 )
 from .lineage import Lineage, newest
 from .reshard import MemoryShards, Resharder, per_rank, portable
-from .restore import Source, plan, run
+from .restore import plan, run
 from .slot import Slot
 from .slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 
@@ -65,8 +66,11 @@ def _resharded(m: Any, world: int) -> bool:
 class MemorySource:
     name = "shared memory"
 
-    def __init__(self, pair: SlotPair, verify: bool):
-        self.pair, self.verify = pair, verify
+    def __init__(self, pair: SlotPair, verify: bool,
+                 pinned: Callable[[Slot], bool] = lambda slot: False):  # fmt: skip
+        """``pinned``: whether this process has page-locked a slot (device uploads then read
+        it directly)."""
+        self.pair, self.verify, self.pinned = pair, verify, pinned
 
     def snapshots(self) -> dict[Key, Lineage]:
         """This rank's READY snapshots, with the branch each belongs to. One of DTensor shards
@@ -107,7 +111,8 @@ class MemorySource:
                     if resharder is not None and not self._reshard(resharder, snap):
                         continue
                     where = f"shared memory {slot.path}"
-                    run(producer, Source(slot.data_tensor(snap.header), where, self.verify))
+                    data = slot.data_tensor(snap.header)
+                    run(producer, Source(data, where, self.verify, self.pinned(slot)))
                     if snap.intact():
                         return True
             except CORRUPT_COPY as exc:  # a corrupt copy: try the next

@@ -1,0 +1,68 @@
+"""Which step a restore loads: the newest one every rank can get, each rank from its fastest
+source, and the branch of the job's history the saves that follow go to.
+
+Every rank follows the branch of the newest generation any rank holds (steps of a branch
+abandoned by a rollback are never candidates), tries the newest step every rank holds, and
+falls back to the next older one together with the others when any rank's copies of it are
+all bad. Going back from the newest step held starts a new branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import group
+from .lineage import Lineage, newest
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int | None  # None: no step every rank can get
+    lineage: Lineage  # the branch the next saves go to
+    source: str | None  # the name of the source it came from
+    newest_held: int  # the newest step any rank holds (-1: none)
+
+
+def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, allow: bool,
+                   opts: dict, job: str) -> Restored:  # fmt: skip
+    """Load into ``state`` the newest step every rank can get (or ``step``) from the first
+    of ``sources`` (fastest first) holding an intact copy."""
+    held = [src.snapshots() for src in sources]
+    known = {k: lin for h in held for k, lin in h.items()}
+    lineage = newest(group.gather(newest(list(known.values()))))  # type: ignore[arg-type]
+    mine = {s: (g, s) for g, s in known if lineage.holds(g, s)}
+    newest_held = max(group.gather(max(mine, default=-1)))  # type: ignore[type-var]
+    newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
+    restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
+    if restored != newest_held and newest_held >= 0:
+        # Going back (asked for, or past corrupt copies) starts a new branch: the steps saved
+        # from here on are stored apart from the abandoned ones, and preferred.
+        lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
+    return Restored(restored, lineage, source, newest_held)
+
+
+def _load_agreed(state: Mapping[str, Any], sources: list, held: list[dict],
+                 mine: dict[int, tuple[int, int]], step: int | None, allow: bool, opts: dict,
+                 job: str) -> tuple[int | None, str | None]:  # fmt: skip
+    """Load the newest step of ``mine`` every rank can get (or ``step``); it and its source."""
+    candidates = set(mine)
+    group.warn_if_some_hold_none(bool(candidates), job, asked=step)
+    while True:
+        choice = group.newest_common(candidates) if step is None else step
+        if choice is None:
+            return None, None
+        key, found, error = mine.get(choice), None, None
+        try:  # a bad copy makes load() False; anything raised is an error of the caller's
+            for src, keys in zip(sources, held, strict=True):
+                if key in keys and src.load(state, key, allow, **opts):
+                    found = src.name
+                    break
+        except Exception as exc:  # raised below on every rank together, not here alone
+            error = exc
+        if group.all_true(found is not None, error):
+            return choice, found
+        if step is not None:
+            return None, None
+        candidates.discard(choice)

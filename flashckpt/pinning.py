@@ -1,0 +1,73 @@
+"""Page-locking a rank's slots (``cudaHostRegister``) so device copies into them are DMA.
+
+Registration costs about as much as faulting the memory in, so it never runs on the training
+thread: the slot preparer's own thread does it, after making the device the state lives on
+its current device (a thread with none would create a context on device 0, and a GPU in
+exclusive-process mode refuses that). A refused registration leaves the runtime's error in
+that thread alone, where nothing launches kernels; the slot stays pageable, copies into it
+are synchronous, and it is not tried again until its mapping changes. A mapping is always
+unregistered before it is grown or unmapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+
+from .device import DeviceRuntime
+from .slot import Slot
+
+log = logging.getLogger(__name__)
+
+Extent = tuple[int, int]  # (address, bytes) of a slot's mapping
+
+
+def _extent(slot: Slot) -> Extent:
+    return (slot.buf.data_ptr(), slot.capacity) if slot.buf is not None else (0, 0)
+
+
+class Pinner:
+    def __init__(self, rt: DeviceRuntime) -> None:
+        self.rt = rt
+        self._pinned: dict[int, Extent] = {}  # id(slot) -> the mapping registered
+        self._refused: dict[int, Extent] = {}  # id(slot) -> the mapping the runtime refused
+        self._warned = False
+
+    def pinned(self, slot: Slot) -> bool:
+        """Whether ``slot``'s current mapping is page-locked."""
+        return self._pinned.get(id(slot)) == _extent(slot)
+
+    def wanted(self, slot: Slot) -> bool:
+        """Whether ``slot`` should be page-locked and has not been refused as it is mapped."""
+        ext = _extent(slot)
+        return (
+            ext[1] > 0 and self._pinned.get(id(slot)) != ext and self._refused.get(id(slot)) != ext
+        )
+
+    def pin(self, slot: Slot, device: Hashable) -> None:
+        """Register ``slot``'s mapping for every device (on the preparation thread)."""
+        if not self.wanted(slot):
+            return
+        self.rt.use_device(device)
+        ext = _extent(slot)
+        error = self.rt.host_register(*ext)
+        if error is None:
+            self._pinned[id(slot)] = ext
+            return
+        self._refused[id(slot)] = ext
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        log.log(level, "page-locking %s (%d MiB) was refused: %s; snapshots into it copy "
+                "through pageable memory, blocking save() for the whole copy", slot.path,
+                ext[1] >> 20, error)  # fmt: skip
+
+    def unpin(self, slot: Slot) -> None:
+        """Unregister ``slot``'s mapping if it is registered (on the preparation thread)."""
+        self._refused.pop(id(slot), None)
+        ext = self._pinned.pop(id(slot), None)
+        if ext is None:
+            return
+        error = self.rt.host_unregister(ext[0])
+        if error is not None:
+            log.warning("unregistering %s failed: %s; its pages stay locked until the process "
+                        "exits", slot.path, error)  # fmt: skip

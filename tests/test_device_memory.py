@@ -1,0 +1,217 @@
+"""Device memory on CPU, against the simulated device of ``fake_device``: slots page-locked
+off the training thread (a restarted process's too), a refused registration, unregistering
+before a slot grows or is unmapped, and verified, staged uploads into device tensors."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from conftest import run_python
+from fake_device import installed
+
+from flashckpt import Checkpointer, optim_state
+from flashckpt.slots import slot_path
+
+
+@pytest.fixture
+def fake(shm_dir):
+    with installed() as f:
+        yield f
+
+
+def sealed(ck: Checkpointer, step: int) -> None:
+    """Wait until ``step`` is published and its checksums written (so a restore verifies)."""
+    assert ck.wait(step, timeout=10) == step
+    ck._sealer.drain()
+    assert all(s.header().sealed for s in ck._pair.ready())
+
+
+def settle(ck: Checkpointer) -> None:
+    """Wait for the background preparation (and page-locking) in flight."""
+    for fut in list(ck._prep.pending.values()):
+        fut.result()
+
+
+def slot_mappings(ck: Checkpointer) -> set[tuple[int, int]]:
+    return {(s.buf.data_ptr(), s.capacity) for s in ck._pair.slots if s is not None}
+
+
+def state_of(n: int = 300_000, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(n // 1000, 1000), torch.nn.Linear(1000, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, n // 1000)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def equal_states(a: dict, b: dict) -> None:
+    for (k, x), y in zip(a["model"].state_dict().items(), b["model"].state_dict().values(),
+                         strict=True):  # fmt: skip
+        assert torch.equal(x, y), k
+    sa, sb = a["optim"].state_dict()["state"], b["optim"].state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+
+
+def test_no_registration_runs_on_the_training_thread_and_every_slot_gets_one(fake):
+    state = state_of()
+    with Checkpointer(job="pin") as ck:
+        for step in range(3):
+            ck.save(step, state)
+        settle(ck)
+        threads = {name for name, *_ in fake.registered}
+        assert threads and all(name.startswith("flashckpt-prep") for name in threads)
+        assert {dev for _, dev, _, _ in fake.registered} == {"fake:0"}  # its device made current
+        assert {(p, n) for _, _, p, n in fake.registered} == slot_mappings(ck)
+        assert all(ck._prep.pinner.pinned(s) for s in ck._pair.slots if s is not None)
+        registered = {p for _, _, p, _ in fake.registered}
+    assert {p for _, p in fake.unregistered} == registered  # all, before unmapping
+    assert all(name.startswith("flashckpt-prep") for name, _ in fake.unregistered)
+
+
+def test_a_restarted_process_page_locks_the_slots_it_finds(fake, shm_dir):
+    """After a crash, restore() maps the slots left behind; they are page-locked in the
+    background too, the one the next save goes to first."""
+    run_python(f"""
+import os, torch
+from states import tiny_model
+from flashckpt import Checkpointer
+ck = Checkpointer(job="restart", shm_dir={str(shm_dir)!r})
+m = tiny_model()
+for step in range(2):
+    ck.save(step, {{"model": m}})
+ck.wait(1, timeout=10)
+os._exit(0)  # no close(): as a crash leaves them
+""")
+    from states import tiny_model
+
+    assert slot_path(shm_dir, "restart", 0, 1).exists()
+    model = tiny_model(seed=3)
+    with Checkpointer(job="restart") as ck:
+        assert ck.restore({"model": model}) == 1
+        settle(ck)
+        assert {(p, n) for _, _, p, n in fake.registered} == slot_mappings(ck)
+        first = ck._pair.write_order()[0]
+        assert fake.registered[0][2] == ck._pair.slots[first].buf.data_ptr()
+        ck.save(2, {"model": model})
+        assert ck._prep.pinner.pinned(ck._pair.slots[first])  # written into while page-locked
+
+
+def test_a_refused_registration_leaves_the_slot_pageable_and_is_not_retried(fake, caplog):
+    fake.refuse = "operation not supported (error 801)"
+    state = state_of()
+    with Checkpointer(job="refused") as ck:
+        for step in range(4):
+            ck.save(step, state)
+            settle(ck)
+        assert len(fake.registered) == 2  # each slot tried once
+        assert caplog.text.count("page-locking") == 1 and "error 801" in caplog.text
+        assert not fake.unregistered
+        restored = state_of(seed=1)
+        assert ck.restore(restored) == 3
+        equal_states(restored, state)
+
+
+def test_a_page_locked_slot_is_unregistered_before_it_grows(fake):
+    small = {"t": torch.ones(1000)}
+    with Checkpointer(job="grow") as ck:
+        ck.save(0, small)
+        ck.save(1, small)
+        settle(ck)
+        before = slot_mappings(ck)
+        big = {"t": torch.ones(2_000_000)}  # past the headroom: every slot grows
+        for step in (2, 3):
+            ck.save(step, big)
+            settle(ck)
+        assert {p for _, p in fake.unregistered} == {p for p, _ in before}
+        assert all(name.startswith("flashckpt-prep") for name, _ in fake.unregistered)
+        assert slot_mappings(ck) <= {(p, n) for _, _, p, n in fake.registered}
+        out = {"t": torch.zeros(2_000_000)}
+        assert ck.restore(out) == 3 and torch.equal(out["t"], big["t"])
+
+
+def test_restore_into_device_tensors_is_staged_verified_and_on_the_right_device(fake):
+    state = state_of()
+    with Checkpointer(job="upload", chunk_size=1 << 16) as ck:
+        ck.save(0, state)
+        sealed(ck, 0)
+        calls: list[tuple[str, object]] = []
+        real_copy = fake.copy
+
+        def copy(stream, dst, src):
+            calls.append((threading.current_thread().name, fake.current_device()))
+            real_copy(stream, dst, src)
+
+        fake.copy = copy
+        ck._prep.pinner.pinned = lambda slot: False  # read through the staging buffers
+        restored = state_of(seed=1)
+        assert ck.restore(restored) == 0
+        equal_states(restored, state)
+        assert fake.pinned_buffers > 0
+        workers = {name for name, _ in calls if name.startswith("flashckpt-restore")}
+        assert workers and all(dev == "fake:0" for name, dev in calls if name in workers)
+
+
+def test_a_page_locked_slot_is_uploaded_from_directly(fake):
+    state = state_of()
+    with Checkpointer(job="direct") as ck:
+        for step in range(2):  # the slot a save writes into is page-locked by the next one
+            ck.save(step, state)
+            sealed(ck, step)
+            settle(ck)
+        assert all(ck._prep.pinner.pinned(s) for s in ck._pair.slots if s is not None)
+        restored = state_of(seed=1)
+        assert ck.restore(restored) == 1
+        equal_states(restored, state)
+        assert fake.pinned_buffers == 0
+
+
+def test_a_corrupt_chunk_is_caught_on_the_way_to_the_device(fake, caplog):
+    caplog.set_level(logging.WARNING)
+    state = state_of()
+    with Checkpointer(job="corrupt", chunk_size=1 << 16) as ck:
+        ck.save(0, state)
+        ck.save(1, state)
+        sealed(ck, 1)
+        newest = ck._pair.ready()[0]
+        h = newest.header()
+        data = newest.data_tensor(h)
+        data[len(data) // 2] ^= 0xFF  # a flipped byte in the middle of the newest snapshot
+        restored = state_of(seed=1)
+        assert ck.restore(restored) == 0  # the older, intact one
+        equal_states(restored, state)
+    assert "crc32c" in caplog.text
+
+
+def test_a_fresh_optimizer_gets_its_state_on_the_device_before_the_upload(fake, monkeypatch):
+    created = []
+    real = optim_state.create_state
+    monkeypatch.setattr(
+        optim_state, "create_state", lambda opt, idx: created.append(opt) or real(opt, idx)
+    )
+    state = state_of()
+    with Checkpointer(job="fresh") as ck:
+        ck.save(0, state)
+        sealed(ck, 0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 8))
+        restored = {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01)}
+        assert ck.restore(restored) == 0
+        assert created == [restored["optim"]]
+        equal_states(restored, state)
+
+
+def test_a_mismatched_restore_leaves_a_fresh_optimizer_fresh(fake):
+    state = state_of()
+    with Checkpointer(job="mismatch") as ck:
+        ck.save(0, state)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 9))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        with pytest.raises(Exception, match="shape"):
+            ck.restore({"model": model, "optim": opt})
+        assert not opt.state
