@@ -214,12 +214,14 @@ class Checkpointer:
             if beat is not None:
                 beat.phase(Phase.RESTORE)
             began = time.monotonic()
+            self._prep.wait()  # a slot being grown in the background holds its snapshot still
             self._pair.check_space(capacity)
             self._pair.open_existing()
             self._connect_agent()
             unmatched: list = []
             opts = {"key_map": key_map, **({} if strict else {"unmatched": unmatched})}
-            restored = self._restore(state, step, allow, opts)
+            with self._sealer.paused():  # a restore right after a save has the cores
+                restored = self._restore(state, step, allow, opts)
             if beat is not None:  # the first step after a restore gets the start-up budget
                 beat.phase(Phase.STARTUP, restored)
             if self._events is not None:
@@ -268,6 +270,7 @@ class Checkpointer:
             remove = True
             try:
                 self._settle()
+                self._prep.wait(raise_errors=False)  # every slot sized before deciding
                 if self._last_saved is None:
                     # Nothing of ours in the slots: free them only if they hold no snapshot
                     # (e.g. ones restore() readied), never another trainer's.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import crc32c as _crc32c
 
@@ -18,13 +18,18 @@ def crc(data: memoryview | bytes, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+class Cancel(Protocol):
+    def is_set(self) -> bool: ...
+
+
 def chunk_checksums(
     data: memoryview,
     entries: Iterable[Entry],
     chunk_size: int,
-    cancel: threading.Event | None = None,
+    cancel: Cancel | None = None,
 ) -> list[int] | None:
-    """Checksums of every chunk of every entry, in manifest order; None if cancelled."""
+    """Checksums of every chunk of every entry, in manifest order; None if ``cancel`` is set
+    between two chunks."""
     out: list[int] = []
     for entry in entries:
         for start, end in entry.chunk_ranges(chunk_size):

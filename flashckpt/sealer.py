@@ -2,14 +2,18 @@
 
 Checksumming a snapshot costs about as much as copying it, so it runs after ``save()`` has
 returned. A slot the trainer wants to overwrite is unsealed work thrown away: the writer
-cancels it first, which costs at most one chunk.
+cancels it first, which costs at most one chunk. A restore pauses sealing while it runs (a
+restore right after a save would otherwise share the cores and memory with it), and sealing
+carries on where it stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 
 from .checksum import chunk_checksums
 from .manifest import Manifest
@@ -25,6 +29,8 @@ class Sealer:
         self._busy: Slot | None = None
         self._blocked: Slot | None = None  # the slot the writer owns right now
         self._cancel = threading.Event()
+        self._running = threading.Event()  # cleared while a restore runs
+        self._running.set()
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="flashckpt-sealer", daemon=True)
@@ -50,6 +56,23 @@ class Sealer:
         with self._busy_lock:
             self._blocked = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold sealing between chunks for the block."""
+        self._running.clear()
+        try:
+            yield
+        finally:
+            self._running.set()
+
+    def is_set(self) -> bool:
+        """Whether to give up the slot being sealed, checked between chunks; while paused,
+        it waits here (a cancel still ends the wait)."""
+        while not self._running.wait(0.05):
+            if self._cancel.is_set():
+                return True
+        return self._cancel.is_set()
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted slot is sealed (or skipped)."""
         return self._idle.wait(timeout)
@@ -74,9 +97,7 @@ class Sealer:
                 self._cancel.clear()
             try:
                 h = slot.header()
-                sums = chunk_checksums(
-                    slot.data(h), manifest.entries, manifest.chunk_size, self._cancel
-                )
+                sums = chunk_checksums(slot.data(h), manifest.entries, manifest.chunk_size, self)
                 with self._busy_lock:
                     if sums is not None and slot is not self._blocked and slot.seq() == seq:
                         slot.write_checksums(sums)

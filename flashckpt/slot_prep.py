@@ -12,6 +12,7 @@ nothing touches a slot while a snapshot is being written into it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -19,6 +20,8 @@ from .device import DeviceRuntime
 from .pinning import Pinner
 from .slot import Slot
 from .slots import SlotPair
+
+log = logging.getLogger(__name__)
 
 
 class SlotPreparer:
@@ -30,22 +33,32 @@ class SlotPreparer:
 
     def ready_target(self, need: int, capacity: int) -> None:
         """Make sure the slot the next snapshot goes to holds ``need`` bytes, waiting only for
-        what is left of its own background preparation (or preparing it now, left for the copy
-        to fault in); a slot to grow is grown now too (its sealer and readers may be at it)."""
+        what is left of its own background preparation, or preparing it now (left for the
+        copy to fault in). The other slots are readied after the snapshot, in the
+        background (``the_rest_in_background``)."""
         for i, fut in list(self.pending.items()):
             if fut.done():  # surface a failed background preparation (e.g. /dev/shm full)
                 del self.pending[i]
                 fut.result()
-        order = self.pair.write_order()
-        fut = self.pending.pop(order[0], None)
-        if fut is not None:
+        while True:  # the order may change once the target's background work is done
+            target = self.pair.write_order()[0]
+            fut = self.pending.pop(target, None)
+            if fut is None:
+                break
             fut.result()
-        todo = [i for i in order if self._free(i) and _short(self.pair.slots[i], need)]
-        if todo:
+        if self._free(target) and _short(self.pair.slots[target], need):
             self.pair.check_space(capacity)
-        for i in todo:
-            if i == order[0] or self.pair.slots[i] is not None:
-                self._prepare(i, capacity, prefault=i != order[0])
+            self._prepare(target, capacity, prefault=False)
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Finish the background work in flight (before the slots are read or freed)."""
+        for i, fut in list(self.pending.items()):
+            del self.pending[i]
+            error = fut.exception()
+            if error is not None and raise_errors:
+                raise error
+            if error is not None:
+                log.warning("readying slot %d failed: %s", i, error)
 
     def ready_spare(self, capacity: int) -> None:
         """Ready the spare slot now (its copy faults the pages in). Named by index, not by
@@ -100,9 +113,13 @@ class SlotPreparer:
 
     def close(self) -> None:
         """Finish what is being prepared and unpin every slot (before they are unmapped)."""
-        for slot in self.pair.slots:
-            if slot is not None:
-                self._executor.submit(self.pinner.unpin, slot)
+
+        def unpin_all() -> None:  # after the work queued before it: every slot it made
+            for slot in self.pair.slots:
+                if slot is not None:
+                    self.pinner.unpin(slot)
+
+        self._executor.submit(unpin_all)
         self._executor.shutdown(wait=True)
 
 

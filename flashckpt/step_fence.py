@@ -79,11 +79,12 @@ class Watch:
         every optimizer seen stepping (not graph-captured), and ``extra``."""
         with _lock:
             optimizers = [o for o in _seen if o not in _captured]
-        keys = {storage_key(t) for t in extra}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                keys.update(storage_key(p) for p in group["params"])
-            for st in list(opt.state.values()):
-                keys.update(storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
+        with torch.no_grad():  # a DTensor's to_local() then builds no autograd node
+            keys = {storage_key(t) for t in extra}
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    keys.update(storage_key(p) for p in group["params"])
+                for st in list(opt.state.values()):
+                    keys.update(storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
         keys.discard(0)
         return keys

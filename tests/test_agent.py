@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_python, wait_for
+from conftest import METRICS, ROOT, run_python, wait_for
 
 from flashckpt import Checkpointer, layout, tier_io
 from flashckpt.sources import TierSource, run_with_tier
@@ -251,6 +251,7 @@ def test_retention_and_throttle(shm_dir, run_dir, tmp_path):
     assert all(b - a >= 5 for a, b in zip(steps[:-1], steps[1:-1], strict=False))
 
 
+@METRICS
 def test_second_agent_for_a_job_refuses_and_metrics_are_served(shm_dir, run_dir, tmp_path):
     url = f"file://{tmp_path / 'nvme'}"
     cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", "dup", "--tier", url]
@@ -284,6 +285,7 @@ def test_second_agent_for_a_job_refuses_and_metrics_are_served(shm_dir, run_dir,
         first.kill()
 
 
+@METRICS
 def test_metrics_endpoint(shm_dir, run_dir, tmp_path):
     url = f"file://{tmp_path / 'nvme'}"
     agent = subprocess.Popen(

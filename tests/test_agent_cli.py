@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import METRICS, S3, wait_for
 from flashckpt.agent.cli import build_parser
 
 from flashckpt import control
@@ -43,8 +43,9 @@ def test_every_option_has_help_text():
     [
         (["--job", "bad/name"], "flashckpt-agent: --job: job name 'bad/name' (from argument job) is not allowed"),
         (["--tier", "bogus:///x"], "flashckpt-agent: --tier: unknown tier scheme 'bogus'"),
-        (["--tier", f"s3://b/p?part_size=1&key={KEY_ID}&secret={SEKRET}"],
-         "flashckpt-agent: --tier: tier s3://b/p: part_size=1 is out of range"),
+        pytest.param(["--tier", f"s3://b/p?part_size=1&key={KEY_ID}&secret={SEKRET}"],
+                     "flashckpt-agent: --tier: tier s3://b/p: part_size=1 is out of range",
+                     marks=S3),
         (["--tier", "file:///tmp/x?keep_lats=3"], "tier file:///tmp/x: unknown option keep_lats"),
         (["--log-level", "LOUD"], "argument --log-level: 'LOUD' is not a log level: use one of DEBUG"),
     ],
@@ -57,6 +58,7 @@ def test_a_bad_input_is_one_line_exit_2_and_leaves_no_pid_file(run_dir, args, sa
     assert list(run_dir.iterdir()) == []  # no pid file, no socket
 
 
+@METRICS
 def test_no_command_version_and_a_failed_start_after_the_claim(run_dir):
     bare = run(AGENT)
     assert (

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_python
+from conftest import S3, run_python
 from flashckpt.storage_tiers import open_tier
 
 from flashckpt import layout, tier_io
@@ -413,6 +413,7 @@ class _Quiet(SimpleHTTPRequestHandler):
         pass
 
 
+@S3
 def test_an_endpoint_answering_404_is_one_clear_line(tmp_path):
     (tmp_path / "empty").mkdir()
     server = ThreadingHTTPServer(

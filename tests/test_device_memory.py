@@ -215,3 +215,45 @@ def test_a_mismatched_restore_leaves_a_fresh_optimizer_fresh(fake):
         with pytest.raises(Exception, match="shape"):
             ck.restore({"model": model, "optim": opt})
         assert not opt.state
+
+
+def test_when_optimizer_state_appears_only_the_target_slot_grows_on_the_training_thread(
+    fake, monkeypatch
+):
+    """restore() at start sizes the slots for a fresh optimizer (no state yet); the first
+    step makes the state three times larger. The save grows only the slot it writes into;
+    the other slot grows, and every slot is page-locked again, in the background."""
+    from flashckpt.slots import SlotPair
+
+    calls: list[tuple[int, str]] = []
+    real = SlotPair.prepare_slot
+
+    def prepare_slot(self, i, capacity, prefault=True):
+        calls.append((i, threading.current_thread().name))
+        return real(self, i, capacity, prefault)
+
+    monkeypatch.setattr(SlotPair, "prepare_slot", prepare_slot)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.Linear(1000, 8))
+    state = {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01)}
+    with Checkpointer(job="regrow") as ck:
+        assert ck.restore(state) is None
+        settle(ck)
+        small = slot_mappings(ck)
+        calls.clear()
+        model(torch.ones(2, 300)).sum().backward()
+        state["optim"].step()  # AdamW's moments appear: the state triples
+        ck.save(0, state)
+        assert [name for _, name in calls if not name.startswith("flashckpt-prep")] == [
+            threading.current_thread().name
+        ]  # the target alone
+        settle(ck)
+        assert ck.wait(0, timeout=10) == 0
+        ck.save(1, state)
+        settle(ck)
+        big = slot_mappings(ck)
+        assert min(n for _, n in big) > max(n for _, n in small)
+        assert big <= {(p, n) for _, _, p, n in fake.registered}
+        assert {p for p, _ in small} <= {p for _, p in fake.unregistered}
+        threads = {name for name, *_ in fake.registered} | {n for n, _ in fake.unregistered}
+        assert all(name.startswith("flashckpt-prep") for name in threads)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SAFETENSORS
 from flashckpt.storage_tiers import open_tier
 from test_load import put_shards
 from test_replicas_reshard import FULL
@@ -128,6 +129,7 @@ def layers(n: int, width: int = 8) -> dict[str, torch.Tensor]:
     return {f"{i}.weight": torch.randn(width, width, generator=g) for i in range(n)}
 
 
+@SAFETENSORS
 def test_a_saved_step_reads_back_in_each_format_without_flashckpt(shm_dir, run_dir, tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     torch.manual_seed(0)
@@ -189,6 +191,7 @@ def _zeroed(v):
     return None
 
 
+@SAFETENSORS
 def test_large_exports_are_sharded_with_an_index_and_load_whole(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     model = layers(5)  # five 256-byte tensors
@@ -220,6 +223,7 @@ def test_large_exports_are_sharded_with_an_index_and_load_whole(tmp_path):
     assert sorted(p.name for p in (out / "st").iterdir()) == ["model.safetensors"]
 
 
+@SAFETENSORS
 def test_select_picks_a_subtree_and_names_its_keys(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     model = layers(2)
@@ -235,6 +239,7 @@ def test_select_picks_a_subtree_and_names_its_keys(tmp_path):
         export(url, tmp_path / "x.pt", "torch", select="model/bias")
 
 
+@SAFETENSORS
 def test_a_dtensor_sharded_step_exports_the_full_tensor(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     put_shards(url)  # two ranks, each with half of the rows of "w"
@@ -269,6 +274,7 @@ def test_a_failed_write_leaves_no_file_under_its_name(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["model.pt", "shards"]
 
 
+@SAFETENSORS
 def test_pickles_are_refused_unless_allowed(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     put_state(url, {"w": torch.ones(2), "fn": Path("/x")})  # a Path only pickle can store
@@ -304,6 +310,7 @@ def test_safetensors_is_asked_for_only_when_used(tmp_path, monkeypatch):
     assert export(url, tmp_path / "w.pt", "torch").tensors == 1
 
 
+@SAFETENSORS
 def test_the_command_line_exports_and_says_what_is_wrong_in_one_line(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     model = layers(3)

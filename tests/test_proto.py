@@ -1,8 +1,9 @@
 """The generated gRPC code matches proto/agent.proto."""
 
-from conftest import ROOT
+from conftest import ROOT, requires
 
 
+@requires("grpc_tools", "grpcio-tools==1.85.1 (pinned in the dev extra)")
 def test_generated_code_is_fresh(tmp_path):
     import importlib.util
 

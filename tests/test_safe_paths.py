@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import METRICS, wait_for
 from flashckpt.agent.daemon import claim
 from flashckpt.agent.metrics import Metrics
 from flashckpt.agent.persist import TierWorker
@@ -254,6 +254,7 @@ def test_redact_hides_credential_options_and_userinfo():
         assert SEKRET not in str(err.value)
 
 
+@METRICS
 def test_metric_labels_hide_credentials():
     metrics = Metrics(0)
     try:

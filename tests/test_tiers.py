@@ -5,9 +5,6 @@ server over HTTP). Faults are real: a full or read-only tmpfs mounted in a user 
 an unwritable directory, the S3 server cut mid-upload, and a proxy answering 503 SlowDown.
 """
 
-# The S3 fixtures are imported below until conftest.py imports them; using them as test
-# arguments then reads as a redefinition to ruff.
-
 from __future__ import annotations
 
 import asyncio
@@ -21,13 +18,13 @@ import textwrap
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from conftest import S3
 from flashckpt.storage_tiers import Scope, Tier, open_tier, parse_spec
 from flashckpt.storage_tiers.local import LocalTier
 from flashckpt.storage_tiers.parallel_fs import ParallelFsTier
-from s3fixture import FaultProxy, MotoS3
 
 from flashckpt import Checkpointer
 from flashckpt.errors import (
@@ -35,6 +32,9 @@ from flashckpt.errors import (
     ConfigError,
     TierUnavailableError,
 )
+
+if TYPE_CHECKING:  # moto may be missing: then the S3 fixtures skip, and this goes unused
+    from s3fixture import MotoS3
 
 MiB = 1 << 20
 PART = 5 * MiB
@@ -543,6 +543,8 @@ def test_s3_server_cut_mid_upload(s3_server: MotoS3, s3_bucket: str) -> None:
 def test_s3_throttling_and_5xx_are_retried(
     s3_server: MotoS3, s3_bucket: str, status: int, code: str
 ) -> None:
+    from s3fixture import FaultProxy
+
     data = os.urandom(11 * MiB)
 
     async def go(endpoint: str) -> None:
@@ -563,6 +565,7 @@ def test_s3_throttling_and_5xx_are_retried(
 
 def test_s3_retry_policy_governs_attempts(s3_server: MotoS3, s3_bucket: str) -> None:
     """Throttled forever: exactly retry_attempts requests (no hidden s3fs/botocore retries)."""
+    from s3fixture import FaultProxy
 
     async def go(endpoint: str) -> None:
         tier = _s3(s3_bucket, endpoint_url=endpoint, retry_attempts=3)
@@ -594,6 +597,7 @@ def test_s3_missing_bucket(s3_bucket: str) -> None:
     run(go())
 
 
+@S3
 def test_s3_part_size_floor() -> None:
     with pytest.raises(ConfigError, match="part_size"):
         open_tier("s3://bucket/p", part_size=4 * MiB)
@@ -647,6 +651,7 @@ def test_misspelt_unknown_and_bad_options_fail_when_the_tier_is_named(tmp_path: 
     assert spec.options["rank_concurrency"] == "2"
 
 
+@S3
 def test_open_tier_builds_the_registered_class(tmp_path: Path) -> None:
     assert isinstance(open_tier(f"file://{tmp_path}"), LocalTier)
     assert isinstance(open_tier(f"pfs://{tmp_path}"), ParallelFsTier)
