@@ -82,4 +82,7 @@ async def load_from(
         raise ManifestError(f"{where}: {planner.mismatches[0].detail}")
     if resharder is not None and resharder.wants:
         await resharder.fetch(tier, job, c.step, c.generation, c.world_size)
-    return producer(Source(data, where))
+    source = Source(data, where)
+    value = producer(source)
+    source.flush()
+    return value
