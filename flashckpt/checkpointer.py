@@ -390,6 +390,8 @@ class Checkpointer:
     ) -> None:
         """Publish once the overlapped copies have landed, unless the snapshot is torn."""
         try:
+            # This thread's own device: without one, waiting would make a context on GPU 0.
+            self._rt.use_device(next(iter(pending.done)))
             pending.wait()
         except BaseException:
             self._abandon(slot)

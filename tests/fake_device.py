@@ -29,7 +29,8 @@ TIMEOUT = 60.0  # no wait in a test lasts longer: a lost release fails instead o
 
 
 class FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, waits: list | None = None, device_of_thread=lambda: None) -> None:
+        self._waits, self._device_of_thread = waits, device_of_thread
         self.recorded = False
         self.error: str | None = None
         self._fired = threading.Event()
@@ -42,6 +43,8 @@ class FakeEvent:
         self._fired.set()
 
     def synchronize(self) -> None:
+        if self._waits is not None:  # which thread waited, with which device current
+            self._waits.append((threading.current_thread().name, self._device_of_thread()))
         if self.recorded:  # like CUDA: an event never recorded is complete
             assert self._fired.wait(TIMEOUT), "a fake device event never fired"
             if self.error:
@@ -148,6 +151,7 @@ class FakeDevice:
         self.registered: list[tuple[str, Hashable, int, int]] = []  # thread, device, ptr, bytes
         self.unregistered: list[tuple[str, int]] = []  # thread, ptr
         self.pinned_buffers = 0
+        self.waits: list[tuple[str, Hashable | None]] = []  # synchronize(): thread, device
         self.side: list[SideStream] = []
         self._host: dict[Hashable, HostStream] = {}
         self._placed: dict[int, str] = {}  # storage -> device, for tensors not on fake:0
@@ -184,7 +188,7 @@ class FakeDevice:
         return stream
 
     def new_event(self) -> FakeEvent:
-        return FakeEvent()
+        return FakeEvent(self.waits, self.current_device)
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream.copy(dst, src)

@@ -299,6 +299,29 @@ def test_a_slot_being_written_is_never_regrown_under_its_copy(fake):
         assert ck.restore(restored, step=1) == 1 and torch.equal(restored["extra"], state["extra"])
 
 
+def test_flashckpt_threads_wait_with_the_states_device_current(fake):
+    """A CUDA call on a thread with no current device makes a context on GPU 0: every
+    thread of flashckpt's that waits for the device first makes the state's device current."""
+    model, opt = model_and_opt()
+    for t in (*model.parameters(), *model.buffers()):
+        fake.place(t, 1)
+    state = {"model": model, "optim": opt}
+    with Checkpointer(job="device") as ck:
+        train_step(model, opt, 0)
+        for st in opt.state.values():
+            fake.place(st["momentum_buffer"], 1)
+        for step in range(3):
+            ck.save(step, state)
+            train_step(model, opt, step + 1)
+        assert ck.wait(2, timeout=10) == 2
+        restored = {"model": model_and_opt(4)[0], "optim": model_and_opt(4)[1]}
+        for t in (*restored["model"].parameters(), *restored["model"].buffers()):
+            fake.place(t, 1)
+        ck.restore(restored)
+    ours = [(name, dev) for name, dev in fake.waits if name.startswith("flashckpt")]
+    assert ours and all(dev == "fake:1" for _, dev in ours), ours
+
+
 def test_waiting_for_an_overlapped_copy_spins_no_core(fake):
     model, opt = model_and_opt()
     state = {"model": model, "optim": opt}
