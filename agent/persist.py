@@ -33,6 +33,9 @@ from .trainers import Trainers
 
 log = logging.getLogger(__name__)
 
+OUTAGE_RETRY_S = 10.0
+"""How long at most a failing tier waits before it is tried again, by default."""
+
 Key = tuple[int, int]
 """A snapshot's (generation, step): a newer generation is newer whatever its step."""
 NONE: Key = (0, -1)
@@ -146,6 +149,11 @@ class TierWorker:
         self.rank_concurrency = option(spec, "rank_concurrency", 0, int) or 4
         self.retire_abandoned = bool(option(spec, "retire_abandoned", 0, int))
         self.temp_grace_s = option(spec, "temp_grace_s", TEMP_GRACE_S, float)
+        # A failing tier is tried again after 1, 2, 4... seconds, never more than this apart:
+        # the newest step reaches it within this long of its return, trainer alive or not.
+        self.outage_retry_s = (
+            option(spec, "outage_retry_s", OUTAGE_RETRY_S, float) or OUTAGE_RETRY_S
+        )
         self._last_persist_time = -math.inf  # none yet: the first step is never throttled
         self._busy = False
         self._stopping = False
@@ -210,7 +218,7 @@ class TierWorker:
                 raise
             except Exception as exc:
                 self._failed(exc)
-                backoff = min(30.0, max(1.0, backoff * 2))
+                backoff = min(self.outage_retry_s, max(1.0, backoff * 2))
             finally:
                 self._busy = False
             if stopping:

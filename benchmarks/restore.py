@@ -253,7 +253,7 @@ def s3(args: argparse.Namespace) -> tuple[float, float]:
                 await asyncio.gather(*(fs._get_file(k, str(dest / k.replace("/", "_")))
                                        for k in keys))  # fmt: skip
             finally:
-                await fs._s3creator.__aexit__(None, None, None)  # s3fs has no awaitable close
+                await (await fs.set_session()).close()  # the client s3fs made, closed
 
         def clear() -> None:
             for p in dest.iterdir():

@@ -18,7 +18,7 @@ from .errors import ConfigError, ManifestError
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
 from .slot import align
-from .storage_tiers.base import TEMP_GRACE_S
+from .storage_tiers.base import TEMP_GRACE_S, Leftover
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,14 @@ def _size_mismatch(tier, key: str, size: int, found: str) -> ManifestError:
     )
 
 
+@dataclass(frozen=True)
+class Retired:
+    """What a retention pass removed (or, dry, would remove)."""
+
+    steps: list[tuple[int, int]]  # (generation, step)
+    leftovers: list[Leftover]  # temporaries and unfinished uploads of crashed writes
+
+
 async def apply_retention(
     tier,
     job: str,
@@ -280,17 +288,18 @@ async def apply_retention(
     keep_every: int | None,
     temp_grace_s: float = TEMP_GRACE_S,
     retire_abandoned: bool = False,
-) -> list[tuple[int, int]]:
+    dry_run: bool = False,
+) -> Retired:
     """Delete committed steps of the current branch beyond the policy, uncommitted leftovers
-    older than the newest committed step, and temporaries of crashed uploads older than
-    ``temp_grace_s`` (a live writer on another node may be filling younger ones). Committed
-    steps of abandoned branches (left by a rollback) are kept unless ``retire_abandoned``.
-    Returns the (generation, step) pairs deleted."""
-    await tier.clean_temporaries(f"{job}/", temp_grace_s)
+    older than the newest committed step, and what crashed uploads left (with the step
+    directories that held only that) once older than ``temp_grace_s`` (a live writer on
+    another node may be filling younger ones). Committed steps of abandoned branches (left by
+    a rollback) are kept unless ``retire_abandoned``. ``dry_run`` removes nothing."""
+    leftovers = await tier.clean_temporaries(f"{job}/", temp_grace_s, dry_run=dry_run)
     steps = await list_steps(tier, job)
     done = complete(steps)
     if not done:
-        return []
+        return Retired([], leftovers)
     lineage = head(steps)
     ours = sorted((k for k in done if lineage.holds(*k)), key=lambda k: k[1], reverse=True)
     keep = set(ours[:keep_last] if keep_last else ours)
@@ -300,8 +309,9 @@ async def apply_retention(
         keep |= set(done) - set(ours)
     newest = max(done)
     doomed = sorted(k for k in steps if k not in keep and (k in done or k < newest))
-    for gen, step in doomed:
-        await tier.delete(layout.step_prefix(job, step, gen))
-    if doomed:
+    if not dry_run:
+        for gen, step in doomed:
+            await tier.delete(layout.step_prefix(job, step, gen))
+    if doomed and not dry_run:
         log.info("%s: retention removed steps %s of job %s", tier.spec.url, doomed, job)
-    return doomed
+    return Retired(doomed, leftovers)

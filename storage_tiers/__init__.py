@@ -1,6 +1,7 @@
-"""Storage tiers: where the agent persists snapshots (local NVMe, parallel FS, S3).
+"""Storage tiers: where the agent persists snapshots (local NVMe, parallel FS, S3, and any
+other fsspec filesystem).
 
-Tier modules load on first use, so importing this package never imports s3fs.
+Tier modules load on first use, so importing this package never imports s3fs or fsspec.
 """
 
 from __future__ import annotations

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
 import re
+import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from flashckpt.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Scope(enum.Enum):
@@ -47,6 +51,21 @@ class TierSpec:
     location: str
     scope: Scope
     options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a writer that died mid-``put`` left: a temporary file, an unfinished upload."""
+
+    key: str  # the object it was being written for
+    name: str  # the tier's own name for it (a temporary's path, an upload's id)
+    size: int | None  # the bytes it holds, where the tier can tell
+    modified: float  # when it was last written to (seconds since the epoch)
+
+
+def _bytes(leftovers: list[Leftover]) -> str:
+    known = [t.size for t in leftovers if t.size is not None]
+    return f"{sum(known)} bytes" if len(known) == len(leftovers) else "size unknown"
 
 
 class Tier(abc.ABC):
@@ -81,16 +100,46 @@ class Tier(abc.ABC):
         """Remove ``prefix`` and everything under it; missing keys are not an error."""
 
     @abc.abstractmethod
+    async def leftovers(self, prefix: str) -> list[Leftover]:
+        """What writers that died mid-``put`` left under ``prefix``: temporary files,
+        unfinished uploads; never a committed object."""
+
+    @abc.abstractmethod
+    async def remove_leftover(self, leftover: Leftover) -> None:
+        """Remove one leftover, and the directories it leaves empty below the job's."""
+
     async def clean_temporaries(
-        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
-    ) -> int:
-        """Remove what writers that died mid-``put`` left under ``prefix`` (temporary files,
-        unfinished multipart uploads): those older than ``older_than_s`` seconds, and at any
-        age those whose key ``mine(key)`` claims for this writer. Returns how many."""
+        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None,
+        dry_run: bool = False,
+    ) -> list[Leftover]:  # fmt: skip
+        """Remove the leftovers under ``prefix`` older than ``older_than_s`` seconds (a live
+        writer elsewhere may be filling younger ones), and at any age those whose key
+        ``mine(key)`` claims for this writer; ``dry_run`` only lists them. Returns them."""
+        cutoff = time.time() - older_than_s
+        doomed = [
+            t for t in await self.leftovers(prefix)
+            if t.modified <= cutoff or (mine is not None and mine(t.key))
+        ]  # fmt: skip
+        if not dry_run:
+            for t in doomed:
+                await self.remove_leftover(t)
+        if doomed and not dry_run:
+            log.info("%s: removed %d leftovers of crashed writes under %r (%s)", self.spec.url,
+                     len(doomed), prefix, _bytes(doomed))  # fmt: skip
+        return doomed
 
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads."""
+
+
+def size_error(key: str, size: int, got: int, more: bool = False) -> ValueError:
+    """What ``put`` raises when the chunks do not hold the ``size`` bytes it was told."""
+    held = f"more than {size}" if more else str(got)
+    return ValueError(
+        f"put {key!r}: expected {size} bytes but the chunks held {held}; nothing was stored "
+        "(pass the real size)"
+    )
 
 
 TEMP_PREFIX = ".tmp-"

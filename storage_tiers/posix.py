@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import stat
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -21,11 +20,13 @@ from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
 
 from .base import (
     TEMP_PREFIX,
+    Leftover,
     Tier,
     TierSpec,
     check_delete_prefix,
     check_key,
     iter_chunks,
+    size_error,
     temp_name,
     temp_target,
 )
@@ -87,11 +88,22 @@ class PosixTier(Tier):
 
     # -- put ---------------------------------------------------------------------------------
 
+    def _room_for(self, size: int) -> None:
+        """ENOSPC at once when the filesystem plainly has no room for ``size`` bytes: a full
+        tier is retried often, and each try then costs a statvfs, not a failed write."""
+        try:
+            st = os.statvfs(self.root if self.root.exists() else self.root.parent)
+        except OSError:
+            return  # the write itself says what is wrong
+        if size > st.f_bavail * st.f_frsize:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root))
+
     async def put(
         self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
     ) -> None:
         path = self._path(key)
         try:
+            await asyncio.to_thread(self._room_for, size)
             temp = await asyncio.to_thread(_Temp.create, path, self.file_mode, self.dir_mode)
         except OSError as exc:
             raise self._translate(exc, key, size) from exc
@@ -99,10 +111,7 @@ class PosixTier(Tier):
             await temp.run(self._reserve, temp.fd, size)
             written = await self._write_all(temp, chunks)
             if written != size:
-                raise ValueError(
-                    f"put {key!r}: expected {size} bytes but the chunks held {written}; "
-                    "nothing was stored (pass the real size)"
-                )
+                raise size_error(key, size, written)
             await temp.run(temp.commit, path)
         except BaseException as exc:
             await asyncio.shield(temp.discard())
@@ -229,16 +238,13 @@ class PosixTier(Tier):
             raise self._translate(exc, prefix, 0) from exc
         log.debug("deleted %s", target)
 
-    async def clean_temporaries(
-        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
-    ) -> int:
+    async def leftovers(self, prefix: str) -> list[Leftover]:
         rel = check_key(prefix, prefix=True)
-        return await asyncio.to_thread(self._clean, rel, older_than_s, mine)
+        return await asyncio.to_thread(self._leftovers, rel)
 
-    def _clean(self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None) -> int:
-        """Unlink temporaries left by dead writers; a live writer's file has a fresh mtime."""
-        cutoff = time.time() - older_than_s
-        removed = 0
+    def _leftovers(self, prefix: str) -> list[Leftover]:
+        """Temporaries under ``prefix``: a crashed writer's, or a live one's (fresh mtime)."""
+        found = []
         for dirpath, _dirs, files in os.walk(self.root / prefix if prefix else self.root):
             for name in files:
                 target = temp_target(name)
@@ -247,17 +253,31 @@ class PosixTier(Tier):
                 path = Path(dirpath) / name
                 key = Path(os.path.relpath(path.with_name(target), self.root)).as_posix()
                 try:
-                    if os.lstat(path).st_mtime <= cutoff or (mine is not None and mine(key)):
-                        path.unlink()
-                        removed += 1
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     continue  # committed or discarded meanwhile
-                except OSError as exc:
-                    raise self._translate(exc, key, 0, "cleaned") from exc
-        if removed:
-            log.info("%s: removed %d temporaries of crashed writes under %r", self.spec.url,
-                     removed, prefix)  # fmt: skip
-        return removed
+                found.append(Leftover(key, str(path), st.st_size, st.st_mtime))
+        return found
+
+    async def remove_leftover(self, leftover: Leftover) -> None:
+        await asyncio.to_thread(self._remove_leftover, Path(leftover.name), leftover.key)
+
+    def _remove_leftover(self, path: Path, key: str) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return  # committed or discarded meanwhile
+        except OSError as exc:
+            raise self._translate(exc, key, 0, "cleaned") from exc
+        # A step directory that only ever held this crashed write goes too (not the job's).
+        job_dir = self.root / Path(key).parts[0]
+        here = path.parent
+        while here != job_dir and job_dir in here.parents:
+            try:
+                here.rmdir()
+            except OSError:  # not empty (a committed object, a live write), or gone
+                return
+            here = here.parent
 
     async def close(self) -> None:
         """Nothing to release: every call opens and closes its own file."""

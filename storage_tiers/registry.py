@@ -2,7 +2,9 @@
 
 ``file:///mnt/nvme/ckpt?keep_last=3`` -> LocalTier, ``pfs:///lustre/ckpt`` -> ParallelFsTier,
 ``s3://bucket/prefix`` -> S3Tier. Other packages add schemes through the ``flashckpt.tiers``
-entry-point group (``scheme = "package.module:TierClass"``) or :func:`register_tier`.
+entry-point group (``scheme = "package.module:TierClass"``) or :func:`register_tier`. Any
+other scheme fsspec knows (``gs://``, ``az://``, ``hdfs://``...) is an FsspecTier, and so is
+``fsspec+<protocol>://`` for every protocol.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class TierEntry:
     install_hint: str | None = None  # shown when the import fails
     path_like: bool = False  # location is a filesystem path: resolved to an absolute one
     options: frozenset[str] | None = frozenset()  # its own query options; None: any
+    raw_location: bool = False  # the location as written (its leading "/" kept)
 
 
 # Options of the directory tiers: the octal modes of the files and directories they create,
@@ -84,13 +87,34 @@ _REGISTRY: dict[str, TierEntry] = {
 # Options every tier takes: the agent's policy for it (retention, throttle, rank fan-out), each
 # a number >= 0 (0 or absent: off, or the default). temp_grace_s: how old another node's
 # temporaries must be before they count as a crashed upload's (absent: TEMP_GRACE_S).
+# outage_retry_s: how long at most a failing tier waits before it is tried again (absent: 10).
 POLICY_OPTIONS: dict[str, Callable[[str], float]] = {
     "keep_last": int, "keep_every": int, "every_steps": int, "every_seconds": float,
     "rank_concurrency": int, "retire_abandoned": int, "temp_grace_s": float,
+    "outage_retry_s": float,
 }  # fmt: skip
 
 SECRET_OPTIONS = frozenset(["key", "secret", "token"])
-"""Query options whose values are credentials: :func:`redact` hides them."""
+"""Query options whose values are credentials: :func:`redact` hides them, with any option
+whose name says it holds one (fsspec filesystems take ``account_key``, ``sas_token``,
+``password``, ``client_secret``, ``connection_string``...)."""
+_SECRET_NAME = re.compile(
+    r"secret|token|passw|credential|account_key|access_key|api_key|private_key|sas|"
+    r"connection_string|signature"
+)
+
+FSSPEC = TierEntry(
+    "flashckpt.storage_tiers.fsspec_tier:FsspecTier", Scope.SHARED, options=None,
+    raw_location=True,
+)  # fmt: skip
+"""Any fsspec protocol without a tier of its own, and every ``fsspec+<protocol>://``."""
+
+
+def is_secret(name: str) -> bool:
+    """Whether the tier option ``name`` holds a credential."""
+    low = name.strip().lower()
+    return low in SECRET_OPTIONS or bool(_SECRET_NAME.search(low))
+
 
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 
@@ -127,6 +151,8 @@ def _entry(scheme: str) -> TierEntry:
                 ep.value, Scope(scope), getattr(cls, "install_hint", None),
                 options=None if own is None else frozenset(own),
             )  # fmt: skip
+    if scheme.startswith("fsspec+") or _fsspec_knows(scheme):
+        return FSSPEC
     raise ConfigError(
         f"unknown tier scheme {scheme!r}: expected one of {', '.join(known_schemes())} "
         "(e.g. file:///mnt/nvme/ckpt, s3://bucket/prefix); fix the URL or install the package "
@@ -162,7 +188,7 @@ def redact(url: str) -> str:
         parts = []
         for part in query.split("&"):
             name, eq, _ = part.partition("=")
-            parts.append(f"{name}=***" if eq and name.strip().lower() in SECRET_OPTIONS else part)
+            parts.append(f"{name}=***" if eq and is_secret(name) else part)
         query = "&".join(parts)
     return head + sep + query
 
@@ -227,6 +253,13 @@ def parse_spec(url: str, **options: object) -> TierSpec:
     scope = _scope(merged.pop("scope", ""), entry.default_scope)
     if entry.path_like:
         location = _resolve_path(location, url)
+    elif entry.raw_location:
+        location = location.rstrip("/") or location
+        if location.strip("/") == "":
+            raise ConfigError(
+                f"tier URL {redact(url)!r} has no location: expected {scheme}://<where>, e.g. "
+                "gs://bucket/prefix"
+            )
     else:
         location = location.strip("/")
         if not location:
@@ -274,12 +307,29 @@ def mode_option(spec: TierSpec, name: str) -> int:
     return option(spec, name, default, parse, expected + "gives others no write access")
 
 
-def open_tier(url: str, **options: object) -> Tier:
-    """Build the tier for ``url``; importing its module only now (s3fs only for s3://)."""
+def open_tier(url: str, storage_options: dict | None = None, **options: object) -> Tier:
+    """Build the tier for ``url``; importing its module only now (s3fs only for s3://).
+    ``storage_options`` go to an fsspec tier's filesystem as they are (any type)."""
     spec = parse_spec(url, **options)
-    cls = _load(spec.scheme, _entry(spec.scheme))
+    entry = _entry(spec.scheme)
+    cls = _load(spec.scheme, entry)
     log.debug("opening %s tier %s (%s)", cls.__name__, spec.url, spec.scope.value)
+    if storage_options:
+        if entry is not FSSPEC:
+            raise ConfigError(
+                f"tier {spec.url}: storage_options are for fsspec tiers (gs://, fsspec+s3://...)"
+                f"; pass {spec.scheme}:// options in the URL query"
+            )
+        return cls(spec, storage_options=storage_options)  # type: ignore[call-arg]
     return cls(spec)
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - a core dependency
+        return False
+    return scheme in fsspec.available_protocols()
 
 
 def option(
@@ -296,7 +346,7 @@ def option(
     try:
         return convert(text)
     except ValueError:
-        shown = "***" if name in SECRET_OPTIONS else repr(text)
+        shown = "***" if is_secret(name) else repr(text)
         raise ConfigError(
             f"tier {spec.url}: option {name}={shown} is not valid: expected "
             f"{expected or f'a value like {default!r}'}; fix the URL query or argument"

@@ -1,9 +1,11 @@
-"""S3 (or any S3-compatible store) tier over s3fs's async client.
+"""S3 (or any S3-compatible store) tier over the aiobotocore client s3fs configures.
 
-Small objects go up in one PutObject; large ones as a multipart upload whose parts are sent a
-few at a time and which is aborted on failure, so S3 never shows a partial object. Transient
-errors (throttling, 5xx, dropped connections) are retried under this tier's RetryPolicy; s3fs's
-and botocore's own retries are turned off so the policy alone decides.
+s3fs resolves the endpoint, credentials and options (its documented ``set_session()`` returns
+the client); every request is a documented aiobotocore S3 call. Small objects go up in one
+PutObject; large ones as a multipart upload whose parts are sent a few at a time and which is
+aborted on failure, so S3 never shows a partial object. Transient errors (throttling, 5xx,
+dropped connections, also while a body streams) are retried under this tier's RetryPolicy;
+botocore's own retries are configured off so the policy alone decides.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -20,7 +21,16 @@ import s3fs
 
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
 
-from .base import RetryPolicy, Tier, TierSpec, check_delete_prefix, check_key, iter_chunks
+from .base import (
+    Leftover,
+    RetryPolicy,
+    Tier,
+    TierSpec,
+    check_delete_prefix,
+    check_key,
+    iter_chunks,
+    size_error,
+)
 from .registry import as_bool, option
 from .s3_errors import DENIED_CODES, describe, error_code, transient
 
@@ -62,9 +72,10 @@ class S3Tier(Tier):
             backoff_s=option(spec, "retry_backoff_s", default.backoff_s, float),
             max_backoff_s=option(spec, "retry_max_backoff_s", default.max_backoff_s, float),
         )
-        self.fs = s3fs.S3FileSystem(**self._fs_kwargs(spec))
-        self.fs.retries = 1  # a class attribute in s3fs, not a constructor argument
-        self.endpoint = self.fs.endpoint_url or "the default AWS endpoint"
+        kwargs = self._fs_kwargs(spec)
+        self.fs = s3fs.S3FileSystem(**kwargs)
+        self.endpoint = kwargs.get("endpoint_url") or "the default AWS endpoint"
+        self._client: Any = None  # the aiobotocore client, made on first use in the loop
 
     @staticmethod
     def _fs_kwargs(spec: TierSpec) -> dict[str, Any]:
@@ -73,7 +84,7 @@ class S3Tier(Tier):
             "asynchronous": True,
             "skip_instance_cache": True,  # each tier owns its client and may close it
             "use_listings_cache": False,
-            "config_kwargs": {"retries": {"total_max_attempts": 1}},  # no botocore retries
+            "config_kwargs": {"retries": {"total_max_attempts": 1}},  # this tier's policy alone
         }
         # fsspec reads FSSPEC_S3_* once at import; read the endpoint again at open time.
         endpoint = opts.get("endpoint_url") or os.environ.get("FSSPEC_S3_ENDPOINT_URL")
@@ -153,8 +164,18 @@ class S3Tier(Tier):
             "reachable, or raise retry_attempts / retry_backoff_s"
         ) from last
 
+    async def _s3(self) -> Any:
+        """The S3 client (made once, in the event loop that first uses the tier)."""
+        if self._client is None:
+            self._client = await self.fs.set_session()
+        return self._client
+
+    async def _request(self, method: str, **kwargs: Any) -> dict[str, Any]:
+        """One S3 request, not retried."""
+        return await getattr(await self._s3(), method)(**kwargs)
+
     async def _call(self, what: str, key: str, method: str, **kwargs: Any) -> dict[str, Any]:
-        return await self._retrying(what, key, lambda: self.fs._call_s3(method, **kwargs))
+        return await self._retrying(what, key, lambda: self._request(method, **kwargs))
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -199,12 +220,12 @@ class S3Tier(Tier):
             async for number, body in _parts(chunks, self.part_size):
                 total += len(body)
                 if total > size:
-                    raise _size_error(key, size, total, more=True)
+                    raise size_error(key, size, total, more=True)
                 await slots.acquire()  # bounds parts in flight (and buffers in memory)
                 _reap(running)
                 running.add(asyncio.create_task(send(number, body)))
             if total != size:
-                raise _size_error(key, size, total)
+                raise size_error(key, size, total)
             await asyncio.gather(*running)
             parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
             await self._call(
@@ -260,7 +281,7 @@ class S3Tier(Tier):
 
         async def read() -> bytes:
             try:
-                reply = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=full, **ranged)
+                reply = await self._request("get_object", Bucket=self.bucket, Key=full, **ranged)
             except Exception as exc:
                 if error_code(exc)[0] == "InvalidRange":  # start at or past the end
                     return b""
@@ -293,7 +314,7 @@ class S3Tier(Tier):
     async def _read_range(self, key: str, full: str, dest: memoryview, pos: int) -> None:
         """One ranged GET streamed straight into ``dest``."""
         try:
-            reply = await self.fs._call_s3(
+            reply = await self._request(
                 "get_object",
                 Bucket=self.bucket,
                 Key=full,
@@ -353,33 +374,43 @@ class S3Tier(Tier):
                 return sorted(keys)
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
-    async def clean_temporaries(
-        self, prefix: str, older_than_s: float, mine: Callable[[str], bool] | None = None
-    ) -> int:
-        """Abort the multipart uploads under ``prefix`` that dead writers left unfinished."""
+    async def leftovers(self, prefix: str) -> list[Leftover]:
+        """The multipart uploads under ``prefix`` never completed (a live writer's, or a dead
+        one's), with the bytes their parts hold."""
         s3_prefix, inside = self._under(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
-        cutoff = time.time() - older_than_s
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": s3_prefix}
-        removed = 0
+        found = []
         while True:
             page = await self._call("list uploads", prefix, "list_multipart_uploads", **kwargs)
             for upload in page.get("Uploads", []):
                 name = upload["Key"]
-                if not inside(name):
-                    continue
-                key = name[strip:]
-                if upload["Initiated"].timestamp() <= cutoff or (mine is not None and mine(key)):
-                    await self._abort(key, name, upload["UploadId"])
-                    removed += 1
+                if inside(name):
+                    size = await self._parts_size(prefix, name, upload["UploadId"])
+                    found.append(Leftover(name[strip:], upload["UploadId"], size,
+                                          upload["Initiated"].timestamp()))  # fmt: skip
             if not page.get("IsTruncated"):
-                break
+                return found
             kwargs["KeyMarker"] = page["NextKeyMarker"]
             kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
-        if removed:
-            log.info("%s: aborted %d unfinished uploads of crashed writes under %r",
-                     self.spec.url, removed, prefix)  # fmt: skip
-        return removed
+
+    async def _parts_size(self, prefix: str, full: str, upload_id: str) -> int | None:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id}
+        total = 0
+        while True:
+            try:
+                page = await self._call("list parts", prefix, "list_parts", **kwargs)
+            except Exception as exc:
+                if error_code(exc)[0] == "NoSuchUpload":  # completed or aborted meanwhile
+                    return None
+                raise
+            total += sum(p["Size"] for p in page.get("Parts", []))
+            if not page.get("IsTruncated"):
+                return total
+            kwargs["PartNumberMarker"] = page["NextPartNumberMarker"]
+
+    async def remove_leftover(self, leftover: Leftover) -> None:
+        await self._abort(leftover.key, self._key(leftover.key), leftover.name)
 
     async def delete(self, prefix: str) -> None:
         check_delete_prefix(prefix, self.spec.url)
@@ -403,11 +434,10 @@ class S3Tier(Tier):
         log.debug("deleted %d objects under s3://%s/%s", len(keys), self.bucket, self._key(prefix))
 
     async def close(self) -> None:
-        """Close the HTTP session s3fs opened (s3fs offers only a fire-and-forget close)."""
-        creator = getattr(self.fs, "_s3creator", None)
-        if getattr(self.fs, "_s3", None) is not None and creator is not None:
-            self.fs._s3 = None
-            await creator.__aexit__(None, None, None)
+        """Close the client's HTTP session (the tier is not used after this)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
 
 async def _collect(
@@ -418,11 +448,11 @@ async def _collect(
     filled = 0
     async for view in iter_chunks(chunks):
         if filled + len(view) > size:
-            raise _size_error(key, size, filled + len(view), more=True)
+            raise size_error(key, size, filled + len(view), more=True)
         body[filled : filled + len(view)] = view
         filled += len(view)
     if filled != size:
-        raise _size_error(key, size, filled)
+        raise size_error(key, size, filled)
     return body
 
 
@@ -449,14 +479,6 @@ def _reap(running: set[asyncio.Task[None]]) -> None:
     for task in [t for t in running if t.done()]:
         running.discard(task)
         task.result()
-
-
-def _size_error(key: str, size: int, got: int, more: bool = False) -> ValueError:
-    held = f"more than {size}" if more else str(got)
-    return ValueError(
-        f"put {key!r}: expected {size} bytes but the chunks held {held}; nothing was stored "
-        "(pass the real size)"
-    )
 
 
 async def _all_or_nothing(coros: list[Coroutine[Any, Any, None]]) -> None:

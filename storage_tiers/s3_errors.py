@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 import botocore.exceptions
-import s3fs
+from fsspec.exceptions import FSTimeoutError
 
 TRANSIENT_CODES = {
     "SlowDown",
@@ -35,12 +35,12 @@ TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     aiohttp.ClientError,
     ConnectionError,
     asyncio.TimeoutError,
-    s3fs.core.FSTimeoutError,
+    FSTimeoutError,
 )
 
 
 def client_error(exc: BaseException) -> botocore.exceptions.ClientError | None:
-    """The ClientError behind ``exc`` (s3fs re-raises them as OSError with the original as cause)."""
+    """The ClientError behind ``exc`` (a wrapper may carry it as its cause)."""
     seen: BaseException | None = exc
     for _ in range(5):
         if seen is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -75,14 +76,21 @@ class TierCase:
     root: Path | None = None
     server: MotoS3 | None = None
     bucket: str = ""
+    planted: int = 100  # the bytes leave_temporary leaves
+    temp_objects: bool = False  # S3 through fsspec with commit=rename: temporaries are objects
 
     def open(self, **options: object) -> Tier:
         return open_tier(self.url, **options)
 
     def leftovers(self) -> list[str]:
-        """Temporaries (POSIX) or pending multipart uploads (S3) a failed put left behind."""
+        """Temporaries (directories, S3 objects) or pending multipart uploads (S3) a failed
+        put left behind."""
         if self.server is not None:
-            uploads = self.server.client().list_multipart_uploads(Bucket=self.bucket)
+            s3 = self.server.client()
+            if self.temp_objects:
+                found = s3.list_objects_v2(Bucket=self.bucket).get("Contents", [])
+                return sorted(o["Key"] for o in found if "/.tmp-" in o["Key"])
+            uploads = s3.list_multipart_uploads(Bucket=self.bucket)
             return [u["Key"] for u in uploads.get("Uploads", [])]
         assert self.root is not None
         if not self.root.exists():
@@ -91,6 +99,12 @@ class TierCase:
 
     def leave_temporary(self, key: str) -> None:
         """What a writer killed mid-put leaves: a temp file, or an unfinished multipart upload."""
+        if self.server is not None and self.temp_objects:
+            parent, _, name = f"ckpt/{key}".rpartition("/")
+            self.server.client().put_object(
+                Bucket=self.bucket, Key=f"{parent}/.tmp-{name}-deadbeef", Body=b"p" * self.planted
+            )
+            return
         if self.server is not None:
             s3 = self.server.client()
             up = s3.create_multipart_upload(Bucket=self.bucket, Key=f"ckpt/{key}")
@@ -99,23 +113,30 @@ class TierCase:
                 Key=f"ckpt/{key}",
                 UploadId=up["UploadId"],
                 PartNumber=1,
-                Body=b"x" * 100,
+                Body=b"x" * self.planted,
             )
             return
         assert self.root is not None
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        (path.parent / f".tmp-{path.name}-deadbeef").write_bytes(b"partial")
+        (path.parent / f".tmp-{path.name}-deadbeef").write_bytes(b"p" * self.planted)
 
 
-@pytest.fixture(params=["local", "parallel_fs", "s3"])
+@pytest.fixture(params=["local", "parallel_fs", "s3", "fsspec_file", "fsspec_s3"])
 def case(request: pytest.FixtureRequest, tmp_path: Path) -> TierCase:
-    if request.param == "s3":
+    """Every tier: the three of flashckpt's own, and the fsspec tier over fsspec's local
+    filesystem and over S3 through s3fs (committing by temporary and rename, so what a crashed
+    put leaves is visible to it)."""
+    if request.param in ("s3", "fsspec_s3"):
         bucket = request.getfixturevalue("s3_bucket")
         server = request.getfixturevalue("s3_server")
+        if request.param == "fsspec_s3":
+            url = (f"fsspec+s3://{bucket}/ckpt?commit=rename&part_size={PART}"
+                   f"&endpoint_url={server.endpoint_url}")  # fmt: skip
+            return TierCase("fsspec_s3", url, server=server, bucket=bucket, temp_objects=True)
         return TierCase("s3", f"s3://{bucket}/ckpt?part_size={PART}", server=server, bucket=bucket)
-    scheme = "file" if request.param == "local" else "pfs"
     root = tmp_path / "tier"
+    scheme = {"local": "file", "parallel_fs": "pfs", "fsspec_file": "fsspec+file"}[request.param]
     return TierCase(request.param, f"{scheme}://{root}", root=root)
 
 
@@ -335,16 +356,25 @@ class TestTierContract:
                 for key in ("job/step-2/rank-0/data", "job/step-2/rank-1/data", "other/x/data"):
                     case.leave_temporary(key)
                 young = 1e9  # every leftover here is younger (moto dates uploads 2010-11-10)
-                assert await tier.clean_temporaries("job/", young) == 0
+                assert await tier.clean_temporaries("job/", young) == []
+                found = sorted(t.key for t in await tier.leftovers("job/"))
+                assert found == ["job/step-2/rank-0/data", "job/step-2/rank-1/data"]
                 assert len(case.leftovers()) == 3
                 own = await tier.clean_temporaries(
                     "job/", young, mine=lambda key: key == "job/step-2/rank-1/data"
                 )
-                assert own == 1 and len(case.leftovers()) == 2
-                assert await tier.clean_temporaries("job/", 0) == 1
+                assert [t.key for t in own] == ["job/step-2/rank-1/data"]
+                assert len(case.leftovers()) == 2
+                would = await tier.clean_temporaries("job/", 0, dry_run=True)
+                assert [t.key for t in would] == ["job/step-2/rank-0/data"]
+                assert len(case.leftovers()) == 2
+                gone = await tier.clean_temporaries("job/", 0)
+                assert [(t.key, t.size) for t in gone] == [("job/step-2/rank-0/data", case.planted)]
                 assert [p for p in case.leftovers() if "/other/" not in p] == []
                 assert await tier.list("") == ["job/step-1/rank-0/data"]
                 assert await tier.get("job/step-1/rank-0/data") == b"ok"
+                if case.root is not None:  # the step that held only a crashed write is gone
+                    assert sorted(p.name for p in (case.root / "job").iterdir()) == ["step-1"]
             finally:
                 await tier.close()
 
@@ -660,10 +690,59 @@ def test_open_tier_builds_the_registered_class(tmp_path: Path) -> None:
 
 
 def test_unknown_scheme_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match="unknown tier scheme 'gs'") as info:
-        parse_spec("gs://bucket/x")
+    with pytest.raises(ConfigError, match="unknown tier scheme 'bogus'") as info:
+        parse_spec("bogus://bucket/x")
     for scheme in ("file", "pfs", "s3"):
         assert scheme in str(info.value)
+
+
+def test_every_fsspec_protocol_is_a_shared_tier_and_a_missing_backend_names_its_package() -> None:
+    spec = parse_spec("gs://bucket/run1?keep_last=3&project=p1&token=SEKRET")
+    assert (spec.scheme, spec.location, spec.scope) == ("gs", "bucket/run1", Scope.SHARED)
+    assert spec.url == "gs://bucket/run1" and "SEKRET" not in str(spec.url)
+    assert parse_spec("fsspec+file:///data/ckpt").location == "/data/ckpt"
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(ImportError, match=r"gs:// tier needs .*pip install gcsfs"):
+            open_tier("gs://bucket/run1")
+    with pytest.raises(ConfigError, match="no location"):
+        parse_spec("gs://")
+
+
+def test_fsspec_credentials_are_never_shown() -> None:
+    from flashckpt.storage_tiers.registry import redact
+
+    url = ("az://c/p?account_name=acct&account_key=K3Y&sas_token=S4S&connection_string=C0NN"
+           "&client_secret=CL1&password=PW&part_size=8")  # fmt: skip
+    shown = redact(url)
+    for secret in ("K3Y", "S4S", "C0NN", "CL1", "PW"):
+        assert secret not in shown
+    assert "account_name=acct" in shown and "part_size=8" in shown
+
+
+def test_fsspec_options_come_from_the_url_and_storage_options(tmp_path: Path) -> None:
+    """Query values are converted (true/false, numbers); storage_options go as they are; an
+    option the filesystem does not take is a clear error; storage_options are refused for
+    flashckpt's own tiers."""
+    tier = open_tier(f"fsspec+file://{tmp_path}/t?auto_mkdir=true&max_concurrency=2")
+    assert tier.fs.auto_mkdir is True and tier.max_concurrency == 2
+    tier = open_tier(f"fsspec+file://{tmp_path}/t", storage_options={"auto_mkdir": False})
+    assert tier.fs.auto_mkdir is False
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class Strict(LocalFileSystem):  # most filesystems pass unknown options on; this one refuses
+        protocol = "strictfs"
+
+        def __init__(self, auto_mkdir: bool = False) -> None:
+            super().__init__(auto_mkdir=auto_mkdir)
+
+    fsspec.register_implementation("strictfs", Strict, clobber=True)
+    with pytest.raises(ConfigError, match="Strict refused its options \\(no_such_option\\)"):
+        open_tier(f"fsspec+strictfs://{tmp_path}/t?no_such_option=1")
+    with pytest.raises(ConfigError, match="storage_options are for fsspec tiers"):
+        open_tier(f"file://{tmp_path}/t", storage_options={"x": 1})
+    with pytest.raises(ConfigError, match="commit=.*'upload' or 'rename'"):
+        open_tier(f"fsspec+file://{tmp_path}/t?commit=maybe")
 
 
 def test_missing_s3_extra_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,10 @@
 ``gc URL --keep-last K [--keep-every M] [--dry-run]`` applies a tier's retention policy to a
 job with exactly the agent's rules (``tier_io.apply_retention``): the newest K committed steps
 of the current branch (and every M-th) stay, older ones go, with uncommitted leftovers older
-than the newest committed step and temporaries of crashed uploads. K must be at least 1, so
-the newest committed step is never removed; ``--dry-run`` lists what would go.
+than the newest committed step and what crashed uploads left (temporaries, unfinished
+uploads, and the step directories that held only those) once older than the tier's
+``temp_grace_s``; each is listed with its size. K must be at least 1, so the newest committed
+step is never removed; ``--dry-run`` lists what would go.
 
 ``gc shm`` removes the slot files (and the agents' stale socket, pid and controller files in
 ``FLASHCKPT_RUN_DIR``) of every job on this node whose processes are gone: no live agent holds
@@ -20,6 +22,7 @@ import contextlib
 import fcntl
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ from ..events import events_path
 from ..heartbeat import Phase, pages
 from ..pidfile import PidFileBusy, lock_pidfile, pid_alive
 from ..slots import free_rank, owner_path, unowned
+from ..storage_tiers.base import TEMP_GRACE_S
+from ..storage_tiers.registry import option
 from .common import (
     OK,
     SHM,
@@ -69,42 +74,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dirs(p, run=True)
 
 
-class _DryRun:
-    """A tier that lists and reads as the real one but deletes nothing: ``apply_retention``
-    run over it returns exactly what it would remove."""
-
-    def __init__(self, tier: Any):
-        self._tier = tier
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tier, name)
-
-    async def delete(self, prefix: str) -> None:
-        pass
-
-    async def clean_temporaries(self, *args: object, **kwargs: object) -> int:
-        return 0
-
-
 async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     async with TierLocation(url) as loc:
         job = await job_at(loc, chosen_job(args))
         listing = await loc.listing(job)
         newest = newest_key(listing, None)
-        retention = (job, args.keep_last, args.keep_every)
-        doomed = await tier_io.apply_retention(_DryRun(loc.tier), *retention)
-        if newest in doomed:  # apply_retention keeps it with K >= 1; never trust that blindly
+        grace = option(loc.tier.spec, "temp_grace_s", TEMP_GRACE_S, float)
+        retention = (job, args.keep_last, args.keep_every, grace)
+        retired = await tier_io.apply_retention(loc.tier, *retention, dry_run=True)
+        if newest in retired.steps:  # it keeps the newest with K >= 1; never trust that blindly
             raise Problem(f"retention would remove the newest committed step {newest[1]}; "
                           "nothing was removed")  # fmt: skip
         if not args.dry_run:
-            doomed = await tier_io.apply_retention(loc.tier, *retention)
+            retired = await tier_io.apply_retention(loc.tier, *retention)
+    doomed = retired.steps
     states = {k: ("uncommitted" if c is None else "committed" if c.complete else "partial")
               for k, c in listing.items()}  # fmt: skip
     steps = [{"step": s, "generation": g, "state": states.get((g, s), "uncommitted")}
              for g, s in doomed]  # fmt: skip
     kept = [{"step": s, "generation": g, "state": states[g, s]}
             for g, s in sorted(listing, key=lambda k: (k[1], k[0])) if (g, s) not in doomed]  # fmt: skip
+    leftovers = [{"key": t.key, "bytes": t.size, "age_s": round(time.time() - t.modified, 1)}
+                 for t in retired.leftovers]  # fmt: skip
     return {"location": loc.shown, "job": job, "removed": steps, "kept": kept,
+            "leftovers_removed": leftovers,
             "newest_committed": newest[1] if newest else None}  # fmt: skip
 
 
@@ -226,5 +219,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         for s in doc["removed"]:
             gen = f" (generation {s['generation']})" if s["generation"] else ""
             out.line(f"  {verb} step {s['step']}{gen}: {s['state']}")
+        for t in doc["leftovers_removed"]:
+            size = "size unknown" if t["bytes"] is None else f"{t['bytes']} bytes"
+            out.line(f"  {verb} what a crashed write of {t['key']} left: {size}, "
+                     f"{t['age_s']:.0f}s old")  # fmt: skip
     out.document({"command": NAME, "ok": True, "dry_run": args.dry_run, **doc})
     return OK

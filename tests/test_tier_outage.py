@@ -1,0 +1,205 @@
+"""A tier that fails outlives the trainer: when it comes back, the agent persists the newest
+step on its own, within one retry interval (``outage_retry_s``), trainer dead or alive. And
+what an agent killed mid-upload leaves is removed once older than the grace period, with the
+step directory that held only that, on every tier; committed steps stay untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, S3, wait_for
+from test_tiers import _unshare_works
+
+from flashckpt import Checkpointer, tier_io
+from flashckpt.sources import run_with_tier
+
+RETRY_S = 2.0  # outage_retry_s in these tests
+FLASHCKPT = Path(sys.executable).parent / "flashckpt"
+
+# A trainer that saves 1 MiB steps to TIER: 0-3 committed, then waits for a line on stdin (the
+# outage begins), saves 4-6 and is SIGKILLed.
+TRAINER = """
+import os, signal, sys, torch
+from flashckpt import Checkpointer
+tier = sys.argv[1]
+ck = Checkpointer(tier, job="outage")
+for step in range(4):
+    ck.save(step, {"t": torch.full((256 * 1024,), float(step))})
+ck.wait(3, tier=tier, timeout=60)
+print("committed 3", flush=True)
+sys.stdin.readline()
+for step in range(4, 7):
+    ck.save(step, {"t": torch.full((256 * 1024,), float(step))})
+ck.wait(6, timeout=30)  # in shared memory
+print("saved 6", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def committed(url: str) -> list[int]:
+    return run_with_tier(url, lambda t: tier_io.committed_steps(t, "outage"))
+
+
+def through_outage(tier: str, cut, restore, env: dict, readable: bool = True) -> float:
+    """Run the trainer; ``cut()`` the tier once 0-3 are committed; after the trainer is
+    SIGKILLed and the agent has failed a few rounds (the tier, if ``readable`` meanwhile, still
+    holds 0-3), ``restore()`` it; the seconds until step 6 is committed."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, tier], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT / "tests")  # fmt: skip
+    try:
+        assert trainer.stdout.readline().strip() == "committed 3"
+        cut()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "saved 6"
+        assert trainer.wait(30) == -signal.SIGKILL
+        time.sleep(3 * RETRY_S)  # the agent keeps failing, with no trainer left
+        if readable:
+            assert committed(tier)[-1] == 3
+        restore()
+        back = time.monotonic()
+        wait_for(lambda: committed(tier)[-1] == 6, timeout=60, interval=0.1,
+                 what="step 6 to reach the tier after its return")  # fmt: skip
+        return time.monotonic() - back
+    finally:
+        trainer.kill()
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unprivileged user+mount namespaces")
+def test_a_full_disk_gets_the_dead_trainers_newest_step_once_space_returns(tmp_path):
+    """The whole run is inside a user+mount namespace with a 16 MiB tmpfs as the tier."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from test_tier_outage import through_outage\n"
+        f"disk = {str(disk)!r}\n"
+        f"tier = 'file://' + disk + '/tier?outage_retry_s={RETRY_S}'\n"
+        "filler = disk + '/filler'\n"
+        "def cut():\n"
+        "    with open(filler, 'wb') as f:\n"
+        "        try:\n"
+        "            while True: f.write(b'x' * (1 << 20))\n"
+        "        except OSError: pass\n"
+        "print(json.dumps({'caught_up_s': through_outage(tier, cut, lambda: os.unlink(filler),"
+        " dict(os.environ))}))\n"
+    )
+    env = {**os.environ, "FLASHCKPT_SHM_DIR": f"/dev/shm/fc-outage-{os.getpid()}",
+           "FLASHCKPT_RUN_DIR": str(tmp_path / "run")}  # fmt: skip
+    try:
+        out = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=16m tmpfs "{disk}" && '
+             'exec "$0" "$1"', sys.executable, str(script)],
+            capture_output=True, text=True, env=env, timeout=240, cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        for pid in (tmp_path / "run").glob("*.pid"):
+            _kill(pid)
+        subprocess.run(["rm", "-rf", env["FLASHCKPT_SHM_DIR"]])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    caught_up = json.loads(out.stdout.strip().splitlines()[-1])["caught_up_s"]
+    assert caught_up <= RETRY_S + 2, f"step 6 reached the tier {caught_up:.1f}s after its return"
+
+
+@S3
+def test_an_s3_outage_gets_the_dead_trainers_newest_step_once_s3_returns(
+    shm_dir, run_dir, s3_server, s3_bucket
+):
+    tier = f"s3://{s3_bucket}/run?retry_attempts=1&outage_retry_s={RETRY_S}"
+    caught_up = through_outage(tier, s3_server.stop, s3_server.restart, dict(os.environ), False)
+    assert caught_up <= RETRY_S + 2, f"step 6 reached the tier {caught_up:.1f}s after its return"
+    restored = {"t": torch.zeros(256 * 1024)}
+    with Checkpointer(
+        tier, job="outage", shm_dir=shm_dir / "fresh", run_dir=run_dir / "fresh"
+    ) as ck:
+        assert ck.restore(restored) == 6 and float(restored["t"][0]) == 6.0
+
+
+def _kill(pidfile: Path) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
+
+
+@pytest.fixture(params=["local", "parallel_fs", pytest.param("s3", marks=S3), "fsspec_file",
+                        pytest.param("fsspec_s3", marks=S3)])  # fmt: skip
+def crashing(request, tmp_path):
+    """A tier of each kind, with how to see from outside what a crashed put left there."""
+    from test_tiers import TierCase
+
+    if request.param in ("s3", "fsspec_s3"):
+        bucket = request.getfixturevalue("s3_bucket")
+        server = request.getfixturevalue("s3_server")
+        if request.param == "s3":
+            return TierCase("s3", f"s3://{bucket}/ckpt", server=server, bucket=bucket)
+        url = f"fsspec+s3://{bucket}/ckpt?commit=rename&endpoint_url={server.endpoint_url}"
+        return TierCase("fsspec_s3", url, server=server, bucket=bucket, temp_objects=True)
+    root = tmp_path / "tier"
+    scheme = {"local": "file", "parallel_fs": "pfs", "fsspec_file": "fsspec+file"}[request.param]
+    return TierCase(request.param, f"{scheme}://{root}", root=root)
+
+
+def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
+    shm_dir, run_dir, crashing
+):
+    url = f"{crashing.url}{'&' if '?' in crashing.url else '?'}temp_grace_s=1"
+    ck = Checkpointer(url, job="crash", close_timeout=1)
+    try:
+        ck.save(1, {"t": torch.ones(1024)})
+        assert ck.wait(1, tier=url, timeout=60) == 1
+        ck.save(2, {"t": torch.ones(64 << 20)})  # 256 MiB: the agent is killed while it uploads
+        wait_for(lambda: any(t.size for t in leftovers_of(url)), timeout=60, interval=0.002,
+                 what="the upload to hold bytes")  # fmt: skip
+        pid = int((run_dir / "crash.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), timeout=30,
+                 what="the agent to die")  # fmt: skip
+        left = crashing.leftovers()
+        assert left and tier_io_committed(url) == [1]
+        time.sleep(1.5)  # past the grace period
+        gc = subprocess.run([str(FLASHCKPT), "gc", url, "--job", "crash", "--keep-last", "3",
+                             "--json"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert gc.returncode == 0, gc.stderr
+        doc = json.loads(gc.stdout)
+        assert [t["key"] for t in doc["leftovers_removed"]] == [
+            "crash/step-000000000002/rank-0/data"
+        ]
+        assert doc["leftovers_removed"][0]["bytes"] > 0 and doc["removed"] == []
+        assert crashing.leftovers() == []  # the space is back
+        if crashing.root is not None:  # the step directory that held only the crashed write too
+            assert sorted(p.name for p in (crashing.root / "crash").iterdir()) == [
+                "step-000000000001"
+            ]
+        assert tier_io_committed(url) == [1]
+        restored = {"t": torch.zeros(1024)}
+        with Checkpointer(url, job="crash", shm_dir=shm_dir / "fresh",
+                          run_dir=run_dir / "fresh") as fresh:  # fmt: skip
+            assert fresh.restore(restored) == 1 and bool((restored["t"] == 1).all())
+    finally:
+        ck._agent = None  # its agent is dead: close() has nothing to wait for
+        ck.close()
+
+
+def leftovers_of(url: str) -> list:
+    return run_with_tier(url, lambda t: t.leftovers("crash/"))
+
+
+def tier_io_committed(url: str) -> list[int]:
+    return run_with_tier(url, lambda t: tier_io.committed_steps(t, "crash"))
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
