@@ -54,7 +54,7 @@ def _size_arg(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs=1, metavar="URL",
-                   help="the tier to read the step from (file:///dir, pfs:///dir, s3://bucket/prefix)")  # fmt: skip
+                   help="the tier to read the step from (file:///dir, pfs:///dir, s3://bucket/prefix, or any fsspec URL: gs://...)")  # fmt: skip
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="torch (torch.load), safetensors, or dcp (torch.distributed.checkpoint)")  # fmt: skip
     p.add_argument("--to", required=True, metavar="PATH",

@@ -31,7 +31,7 @@ HELP = "list the jobs at a location, or a job's steps there"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs=1, metavar="URL",
-                   help="a tier URL (file:///dir, pfs:///dir, s3://bucket/prefix?...) or 'shm'")  # fmt: skip
+                   help="a tier URL (file:///dir, pfs:///dir, s3://bucket/prefix?..., or any fsspec URL: gs://...) or 'shm'")  # fmt: skip
     add_job(p)
     add_dirs(p)
 
