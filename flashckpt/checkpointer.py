@@ -59,10 +59,10 @@ class Checkpointer:
     ) -> None:
         """``replicated``: which top-level keys of the state every rank holds the same (stored
         once per replica group); None finds DDP's, False stores every rank's copy."""
-        from .storage_tiers import parse_spec
+        from .storage_tiers.registry import check_installed
 
         for t in tiers:
-            parse_spec(t)  # validated now: a typo fails at start, not in the agent
+            check_installed(t)  # validated now: a typo or a missing package fails at start
         self.tiers = list(tiers)  # as given: options ride in the query string
         self.job = config.resolve_job(job)
         self.rank = config.resolve_rank(rank)

@@ -24,6 +24,7 @@ block size, default 8 MiB), ``max_concurrency`` (ranged reads in flight, default
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import posixpath
 import time
@@ -80,6 +81,15 @@ def filesystem_class(protocol: str) -> type:
         raise ConfigError(f"fsspec knows no protocol {protocol!r} ({exc})") from exc
 
 
+def _takes(cls: type, name: str) -> bool:
+    """Whether ``cls(name=...)`` is accepted: named, or passed on through ``**kwargs``."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _coerce(name: str, text: str) -> Any:
     """A URL query value as the filesystem's keyword argument wants it."""
     if is_secret(name):
@@ -120,16 +130,19 @@ class FsspecTier(Tier):
         self.spec = spec
         self.protocol = protocol_of(spec.scheme)
         own = {"scope", *POLICY_OPTIONS, *OWN_OPTIONS}
-        # A tier must see the store as it is now: no instance shared with other users of
-        # fsspec, no cached listings (a listing taken before another writer's rename).
-        kwargs: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-        kwargs.update({k: _coerce(k, v) for k, v in spec.options.items() if k not in own})
-        kwargs.update(storage_options or {})
+        given = {k: _coerce(k, v) for k, v in spec.options.items() if k not in own}
+        given.update(storage_options or {})
         cls = filesystem_class(self.protocol)
+        # A tier must see the store as it is now: no instance shared with other users of
+        # fsspec (fsspec's own keyword), no cached listing taken before another writer's rename.
+        kwargs: dict[str, Any] = {"skip_instance_cache": True}
+        if _takes(cls, "use_listings_cache"):
+            kwargs["use_listings_cache"] = False
+        kwargs.update(given)
         try:
             self.fs = cls(**kwargs)
         except TypeError as exc:  # an option the filesystem does not take
-            shown = ", ".join(sorted(kwargs)) or "none"
+            shown = ", ".join(sorted(given)) or "none"
             raise ConfigError(
                 f"tier {spec.url}: {cls.__name__} refused its options ({shown}): {exc}; fix the "
                 "URL query or storage_options"

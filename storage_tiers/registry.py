@@ -10,6 +10,7 @@ other scheme fsspec knows (``gs://``, ``az://``, ``hdfs://``...) is an FsspecTie
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -41,6 +42,7 @@ class TierEntry:
     path_like: bool = False  # location is a filesystem path: resolved to an absolute one
     options: frozenset[str] | None = frozenset()  # its own query options; None: any
     raw_location: bool = False  # the location as written (its leading "/" kept)
+    requires: tuple[str, ...] = ()  # packages it imports (checked before it is opened)
 
 
 # Options of the directory tiers: the octal modes of the files and directories they create,
@@ -66,6 +68,7 @@ _REGISTRY: dict[str, TierEntry] = {
         "flashckpt.storage_tiers.s3:S3Tier",
         Scope.SHARED,
         install_hint="pip install 'flashckpt[s3]'",
+        requires=("s3fs",),
         options=frozenset(
             [
                 "endpoint_url",
@@ -305,6 +308,34 @@ def mode_option(spec: TierSpec, name: str) -> int:
 
     expected = f"an octal mode such as {example} that keeps {owner:04o} for the owner and "
     return option(spec, name, default, parse, expected + "gives others no write access")
+
+
+def check_installed(url: str) -> None:
+    """ImportError naming what to install when ``url``'s tier needs a package that is missing;
+    nothing is imported (a trainer only names tiers its agent opens)."""
+    spec = parse_spec(url)
+    entry = _entry(spec.scheme)
+    needed: list[tuple[str, str]] = []  # (module, what to run)
+    if entry is FSSPEC:
+        from fsspec.registry import known_implementations
+
+        protocol = spec.scheme.removeprefix("fsspec+")
+        cls = known_implementations.get(protocol, {}).get("class", "")
+        top = cls.split(".")[0]
+        if top and top != "fsspec":
+            needed.append((top, f"pip install {top}"))
+    else:
+        needed += [(m, entry.install_hint or f"pip install {m}") for m in entry.requires]
+    for module, hint in needed:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a missing parent package
+            found = False
+        if not found:
+            raise ImportError(
+                f"the {spec.scheme}:// tier {spec.url} needs {module}, which is not installed; "
+                f"run: {hint}"
+            )
 
 
 def open_tier(url: str, storage_options: dict | None = None, **options: object) -> Tier:

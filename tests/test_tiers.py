@@ -784,3 +784,18 @@ def test_importing_tiers_does_not_import_s3fs() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_checkpointer_names_a_missing_backend_package_when_it_is_made(monkeypatch) -> None:
+    """Before any agent opens the tier, without importing the package in the trainer."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("s3fs", "gcsfs") else real(name, *a))  # fmt: skip
+    with pytest.raises(
+        ImportError, match=r"needs s3fs, which is not installed; run: pip install 'flashckpt\[s3\]'"
+    ):
+        Checkpointer("s3://bucket/run1", job="x")
+    with pytest.raises(
+        ImportError, match="needs gcsfs, which is not installed; run: pip install gcsfs"
+    ):
+        Checkpointer("gs://bucket/run1", job="x")
