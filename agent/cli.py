@@ -175,9 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--run-dir", default=None, help="default place of the event log (FLASHCKPT_RUN_DIR)"
     )
-    c.add_argument("--policy", choices=["restart", "notify"], default=None,
-                   help="on a detection kill the failed round's workers (restart, default) or only "
-                        "log it (notify); FLASHCKPT_RESTART_POLICY")  # fmt: skip
+    c.add_argument("--policy", choices=["restart", "in-process", "notify"], default=None,
+                   help="on a detection kill the failed round's workers (restart, default), only "
+                        "on a lost node (in-process: the launchers replace a lost worker), or "
+                        "only log it (notify); FLASHCKPT_RESTART_POLICY")  # fmt: skip
     c.add_argument("--node-timeout", type=float, default=None, metavar="S",
                    help="a node whose agent is silent this long is lost (FLASHCKPT_NODE_TIMEOUT, default 5)")  # fmt: skip
     for sp in (s, c):

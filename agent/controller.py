@@ -124,7 +124,10 @@ class Controller:
 
     def _detect(self, name: str, job: JobState, kind: str, node: str, rank: int,
                 failed_at: float, **detail: object) -> None:  # fmt: skip
-        action = "kill" if self.policy == "restart" else "notify"
+        # In-process recovery replaces a failed worker where it ran, keeping the others:
+        # only a lost node (no launcher left to replace its ranks) restarts everyone.
+        kills = self.policy == "restart" or (self.policy == "in-process" and kind == "node_lost")
+        action = "kill" if kills else "recover" if self.policy == "in-process" else "notify"
         job.round_failed_at = max(job.round_failed_at, failed_at)
         job.detections.append((time.monotonic(), pb.Detection(kind=kind, node=node, rank=rank,
                                                               action=action)))  # fmt: skip
@@ -140,7 +143,8 @@ class Controller:
         log.error("job %s: %s on node %s%s; %s", name, kind.replace("_", " "), node,
                   f" (rank {rank})" if rank >= 0 else "",
                   f"killing the workers of the failed round: {ordered}" if ordered
-                  else "nothing left to kill" if action == "kill" else "policy notify: no action")  # fmt: skip
+                  else "nothing left to kill" if action == "kill"
+                  else f"policy {self.policy}: no kill")  # fmt: skip
         self._record(kind, job=name, failed_node=node, rank=rank, action=action,
                      ordered=ordered, **detail)  # fmt: skip
 

@@ -6,6 +6,8 @@ step0 = ckpt.restore({"model": model, "optim": optimizer})
 ckpt.save(step, {"model": model, "optim": optimizer})
 
 state = flashckpt.load("file:///mnt/nvme/ckpt")  # without the training code: plain Python
+
+flashckpt.run_recoverable(train)  # in-process recovery under flashckpt-run (see the README)
 """
 
 from .checkpointer import Checkpointer
@@ -21,6 +23,7 @@ from .errors import (
     StateMismatchError,
     TierUnavailableError,
 )
+from .inprocess import run_recoverable
 from .load import load
 from .manifest import FORMAT_VERSION
 from .rng import RNG
@@ -42,4 +45,5 @@ __all__ = [
     "StateMismatchError",
     "TierUnavailableError",
     "load",
+    "run_recoverable",
 ]

@@ -162,10 +162,17 @@ class Endpoint:
         return grpc.aio.insecure_channel(self.address)
 
 
+POLICIES = ("restart", "in-process", "notify")
+"""restart: a failure restarts every worker; in-process: a lost worker is replaced and the
+others keep their processes (a lost node still restarts everyone); notify: report only."""
+
+
 def policy() -> str:
     value = str(config.setting("restart_policy", None, "restart")).lower()
-    if value not in ("restart", "notify"):
-        raise ConfigError(f"FLASHCKPT_RESTART_POLICY must be restart or notify, got {value!r}")
+    if value not in POLICIES:
+        raise ConfigError(
+            f"FLASHCKPT_RESTART_POLICY must be one of {', '.join(POLICIES)}, got {value!r}"
+        )
     return value
 
 

@@ -64,11 +64,17 @@ class NodeWatch(threading.Thread):
     a hung worker (its stacks logged first)."""
 
     def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
-                 interval: float = 0.25):  # fmt: skip
+                 interval: float = 0.25, one_at_a_time: bool = False):  # fmt: skip
+        """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
+        the likely culprit is killed (a stopped one first, else the one silent longest); the
+        others, blocked in a collective with it, get the hang floor to recover before any
+        is judged again."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
         self.events, self.interval = events, interval
+        self.one_at_a_time, self.floor = one_at_a_time, policy.floor
+        self._quiet_until = 0.0
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
         self._halt = self.halted = threading.Event()
 
@@ -105,6 +111,12 @@ class NodeWatch(threading.Thread):
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         hangs = self.watchdog.check(workers)
         states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
+        if self.one_at_a_time and hangs:
+            if time.monotonic() < self._quiet_until:
+                hangs = []
+            else:
+                hangs = [min(hangs, key=lambda h: (states[h.pid] != "T", -h.silent_s))]
+                self._quiet_until = time.monotonic() + self.floor
         # A stopped worker first: its dump needs it continued, and it must not die first of
         # the SIGTERM TorchElastic sends once another worker is killed (a stopped process
         # with SIGTERM's default action dies at once). Each is killed right after its dump.
@@ -196,6 +208,35 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
     return served
 
 
+def in_process(args, controller: InThread | None, events: EventLog) -> None:
+    """Set up in-process recovery: the job's recovery store (served here when this launcher
+    serves the controller, or runs alone), its address for the workers, the warm standbys and
+    the agent that replaces a lost worker."""
+    from .inprocess import STORE_ENV
+    from .inprocess_agent import host_store, install
+
+    address = os.environ.get(STORE_ENV)
+    store = None
+    if address is None and controller is not None:
+        host = control.split_address(controller_address(args))[0]
+        port = controller.port + 1 if not args.standalone else 0
+        store, address = host_store(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    elif address is not None:
+        with contextlib.suppress(RuntimeError):  # another node's launcher serves it
+            store, address = host_store(address)
+    if address is None:
+        raise FlashCkptError(
+            "in-process recovery needs the job's recovery store: set FLASHCKPT_RECOVERY_STORE "
+            "to host:port on every node (the node that can bind it serves it)"
+        )
+    os.environ[STORE_ENV] = address
+    deadline = config.setting_float("recovery_deadline", None, 30.0, lo=1.0)
+    standbys = int(config.setting_float("standby", None, 1.0, lo=0.0))
+    install(events, address, deadline, standbys, served=store)
+    log.info("in-process recovery: store %s, %d warm standby(s), rounds form within %.0fs",
+             address, standbys, deadline)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
@@ -213,12 +254,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if control.policy() == "in-process":
+        in_process(args, controller, events)
     os.environ["FLASHCKPT_JOB"] = job
     os.environ[EVENTS_ENV] = str(events.path)
     log.info("job %s; event log %s", job, events.path)
     events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
                   hang_policy=policy.__dict__)  # fmt: skip
-    watch = NodeWatch(shm_dir, job, events, policy)
+    watch = NodeWatch(shm_dir, job, events, policy,
+                      one_at_a_time=control.policy() == "in-process")  # fmt: skip
     watch.start()
     threading.Thread(target=keep_agent, args=(job, run_dir, shm_dir, watch.halted), daemon=True,
                      name="flashckpt-agent-keeper").start()  # fmt: skip

@@ -166,6 +166,10 @@ class Planner:
             if needs_load:
                 src.flush()  # device copies land before load_state_dict() sees the tensors
                 target.load_state_dict(sd)
+            if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+                # Gradients are no part of a snapshot: none survive a rollback (a step cut
+                # short by a fault would otherwise add its own to the next one's).
+                target.zero_grad(set_to_none=True)
             return target
 
         return produce

@@ -72,6 +72,19 @@ def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
         run_with_tier(url, flip)
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    """One step: this rank's batch of ``step``, gradients averaged over every rank."""
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    x = torch.randn(8, 16, generator=g)
+    loss = (model(x) - x.flip(1)).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    opt.step()
+    opt.zero_grad()
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -86,15 +99,7 @@ def main() -> None:
     sys.stdout.write(f"restored {rank} {restored}\n")  # one write: lines of ranks never mix
     sys.stdout.flush()
     for step in range(0 if restored is None else restored + 1, STEPS):
-        g = torch.Generator().manual_seed(step * 100 + rank)
-        x = torch.randn(8, 16, generator=g)
-        loss = (model(x) - x.flip(1)).pow(2).mean()
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, rank, step)
         ckpt.save(step, state)
         kind = fault_now(rank, step)
         if kind in ("pause", "corrupt"):

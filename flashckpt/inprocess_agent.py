@@ -1,0 +1,292 @@
+"""``flashckpt-run``'s side of in-process recovery (``FLASHCKPT_RESTART_POLICY=in-process``).
+
+TorchElastic restarts a node's whole worker group when one worker exits. Here its
+``LocalElasticAgent`` is extended instead: a worker that dies (killed, or hung and killed by
+the watchdog) is replaced by one of the node's warm standbys, which joins the round the
+survivors move to (``inprocess.Rounds``), and the other workers keep running. The worker
+group's own monitoring would terminate every worker at the first failure, so the workers are
+watched here, their exit statuses read from ``/proc`` without reaping them. Whenever the
+recovery cannot finish (no standby, a round that does not form within its deadline, a worker
+that gave up on it) every worker is killed and TorchElastic restarts the group as before; the
+event log says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from .events import EventLog
+from .inprocess import EXIT_GAVE_UP, NAMESPACE_ENV, ROUND_ENV, namespace
+from .standby import READY_FD_ENV
+
+log = logging.getLogger(__name__)
+
+
+def exit_status(pid: int) -> int | None:
+    """A child's exit code (negative: killed by that signal) once it has exited, read from
+    ``/proc`` so that it stays unreaped for TorchElastic; None while it runs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return -1  # gone already: reaped elsewhere, its status unknown
+    if fields[0] not in ("Z", "X"):
+        return None
+    status = int(fields[-1])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+class Standbys:
+    """The node's warm standbys: started ahead, torch imported, waiting for a rank."""
+
+    def __init__(self, count: int, events: EventLog):
+        self.count, self.events = count, events
+        self.idle: list[tuple[subprocess.Popen, int, float]] = []  # (process, ready pipe, since)
+
+    def fill(self) -> None:
+        self.idle = [s for s in self.idle if s[0].poll() is None]
+        while len(self.idle) < self.count:
+            read, write = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "flashckpt.standby"], stdin=subprocess.PIPE,
+                env={**os.environ, READY_FD_ENV: str(write)}, pass_fds=(write,), text=True,
+            )  # fmt: skip
+            os.close(write)
+            self.idle.append((proc, read, time.monotonic()))
+
+    def take(self) -> tuple[subprocess.Popen, bool] | None:
+        """A live standby (and whether it is warm already), the readiest first."""
+        self.idle = [s for s in self.idle if s[0].poll() is None]
+        if not self.idle:
+            return None
+        self.idle.sort(key=lambda s: not _readable(s[1]))
+        proc, read, _ = self.idle.pop(0)
+        warm = _readable(read)
+        os.close(read)
+        return proc, warm
+
+    def close(self) -> None:
+        for proc, read, _ in self.idle:
+            os.close(read)
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait()
+        self.idle = []
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+@dataclass
+class Member:
+    """A rank of this node and the process that holds it now."""
+
+    rank: int
+    pid: int
+    env: dict[str, str]
+    replacement: subprocess.Popen | None = None
+
+
+@dataclass
+class Recovery:
+    """A round the workers are moving to, from the launcher's side."""
+
+    round: int
+    began: float
+    ranks: list[int]
+    replacement_s: float | None = None
+
+
+class Supervisor:
+    def __init__(self, events: EventLog, store_address: str, deadline: float, standbys: int):
+        from .control import split_address
+
+        host, port = split_address(store_address, "the recovery store")
+        self.store = dist.TCPStore(host, port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        self.events, self.deadline = events, deadline
+        self.standbys = Standbys(standbys, events)
+        self.members: dict[int, Member] = {}  # local rank -> member
+        self.args: tuple[str, ...] = ()
+        self.world = 0
+        self.recovery: Recovery | None = None
+        self.recovered = 0
+
+    # ---- the worker group's life ------------------------------------------------------
+    def started(self, wg: WorkerGroup, pids: dict[int, int]) -> None:
+        """The worker group TorchElastic just started (``pids``: local rank -> pid)."""
+        self.members.clear()
+        self.recovery = None
+        self.args = tuple(wg.spec.args)
+        for w in wg.workers:
+            pid = pids[w.local_rank]
+            self.members[w.local_rank] = Member(w.global_rank, pid, _environ(pid))
+            self.world = w.world_size
+        self.standbys.fill()
+
+    def stop(self) -> None:
+        """Kill the replacements (TorchElastic stops the workers it started)."""
+        for m in self.members.values():
+            if m.replacement is not None and m.replacement.poll() is None:
+                m.replacement.kill()
+                m.replacement.wait()
+
+    def close(self) -> None:
+        self.stop()
+        self.standbys.close()
+
+    # ---- watching ---------------------------------------------------------------------
+    def monitor(self, original: Any, pcontext: Any) -> RunResult:
+        statuses = {lr: self._status(m) for lr, m in self.members.items()}
+        if all(s == 0 for s in statuses.values()):
+            pcontext.close()  # reaps the workers TorchElastic started (a replaced one failed)
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={m.rank: None for m in self.members.values()})  # fmt: skip
+        failed = {lr: s for lr, s in statuses.items() if s not in (None, 0)}
+        if any(s == EXIT_GAVE_UP for s in failed.values()):
+            return self._fall_back("a worker's round did not form in time", original)
+        for lr, status in failed.items():
+            if not self._replace(self.members[lr], status):
+                return self._fall_back(f"no standby was ready for rank {self.members[lr].rank}",
+                                       original)  # fmt: skip
+        if self.recovery is not None:
+            if self._formed(self.recovery):
+                self._record_recovered(self.recovery)
+                self.recovery = None
+            elif time.monotonic() - self.recovery.began > self.deadline + 5:
+                return self._fall_back(f"round {self.recovery.round} did not form within "
+                                       f"{self.deadline:.0f}s", original)  # fmt: skip
+        self.standbys.fill()
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _status(self, m: Member) -> int | None:
+        if m.replacement is not None:
+            return m.replacement.poll()
+        return exit_status(m.pid)
+
+    def _replace(self, m: Member, status: int) -> bool:
+        """Hand rank ``m.rank`` to a standby, in the round after the one it died in."""
+        taken = self.standbys.take()
+        if taken is None:
+            return False
+        proc, warm = taken
+        ns = namespace(m.env)
+        died_in = int(self.store.get(f"flashckpt/{ns}/rank-{m.rank}/round").decode()
+                      if self.store.check([f"flashckpt/{ns}/rank-{m.rank}/round"]) else 0)  # fmt: skip
+        target = died_in + 1
+        current = int(self.store.compare_set(f"flashckpt/{ns}/round", str(died_in),
+                                             str(target)).decode())  # fmt: skip
+        target = max(target, current)
+        env = {**m.env, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
+        proc.stdin.write(json.dumps({"env": env, "args": self.args, "cwd": os.getcwd()}) + "\n")
+        proc.stdin.close()
+        self.events.record("replacement_started", rank=m.rank, round=target, lost_pid=m.pid,
+                           lost_status=status, pid=proc.pid, warm=warm)  # fmt: skip
+        log.warning("rank %d (pid %d) exited with %s: its replacement (pid %d, a %s standby) "
+                    "joins round %d", m.rank, m.pid, status, proc.pid,
+                    "warm" if warm else "starting", target)  # fmt: skip
+        m.pid, m.replacement = proc.pid, proc
+        began = time.monotonic()
+        if self.recovery is None or self.recovery.round < target:
+            self.recovery = Recovery(target, began, [m.rank])
+        else:
+            self.recovery.ranks.append(m.rank)
+        self.standbys.fill()
+        return True
+
+    def _formed(self, rec: Recovery) -> bool:
+        ns = namespace(next(iter(self.members.values())).env)
+        key = f"flashckpt/{ns}/round-{rec.round}/joined"
+        return self.store.check([key]) and int(self.store.add(key, 0)) >= self.world
+
+    def _record_recovered(self, rec: Recovery) -> None:
+        self.recovered += 1
+        took = time.monotonic() - rec.began
+        self.events.record("inprocess_recovered", round=rec.round, ranks=rec.ranks,
+                           replacement_s=round(took, 3))  # fmt: skip
+        log.info("round %d formed: rank(s) %s replaced in %.2fs, every other worker kept",
+                 rec.round, rec.ranks, took)  # fmt: skip
+
+    def _fall_back(self, why: str, original: Any) -> RunResult:
+        log.error("in-process recovery cannot finish (%s): restarting every worker", why)
+        self.events.record("inprocess_fallback", reason=why,
+                           round=self.recovery.round if self.recovery else None)  # fmt: skip
+        for m in self.members.values():
+            if m.replacement is None:
+                with contextlib.suppress(OSError):
+                    os.kill(m.pid, signal.SIGKILL)
+        self.stop()
+        self.recovery = None
+        result = original()
+        if result.state != WorkerState.FAILED:  # e.g. every original had exited already
+            result = RunResult(state=WorkerState.FAILED)
+        return result
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+class RecoveringAgent(LocalElasticAgent):
+    """TorchElastic's agent, with a lost worker replaced in place (see the module doc)."""
+
+    supervisor: Supervisor  # set by install()
+    served_store: Any = None  # the recovery store, when this launcher serves it
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self.supervisor.started(worker_group, pids)
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        original = super()._monitor_workers
+        return self.supervisor.monitor(lambda: original(worker_group), self._pcontext)
+
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        self.supervisor.stop()
+        super()._stop_workers(worker_group, *args, **kwargs)
+
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        self.supervisor.close()
+        super()._shutdown(*args, **kwargs)
+
+
+def host_store(address: str) -> tuple[Any, str]:
+    """Serve the job's recovery store at ``address`` (``host:port``, port 0: any); the store
+    (keep it referenced) and the address workers reach it at."""
+    from .control import split_address
+
+    host, port = split_address(address, "the recovery store")
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    shown = f"[{host}]" if ":" in host else host
+    return store, f"{shown}:{store.port}"
+
+
+def install(events: EventLog, store_address: str, deadline: float, standbys: int,
+            served: Any = None) -> None:  # fmt: skip
+    """Make ``torch.distributed.run`` use RecoveringAgent for this launcher's workers;
+    ``served``: the store this launcher serves, kept as long as the process runs."""
+    import torch.distributed.launcher.api as launcher_api
+
+    RecoveringAgent.supervisor = Supervisor(events, store_address, deadline, standbys)
+    RecoveringAgent.served_store = served
+    launcher_api.LocalElasticAgent = RecoveringAgent  # type: ignore[misc]

@@ -1,0 +1,63 @@
+"""A warm standby: a process with torch and flashckpt imported, waiting to become a lost rank.
+
+``flashckpt-run`` in in-process mode keeps one per node (``FLASHCKPT_STANDBY``). When a worker
+dies, the launcher writes the assignment to the standby's stdin, one JSON line: the lost
+worker's environment (with the round to join), its command line and working directory. The
+standby then runs the training script as that rank, in this process, as ``python script``
+or ``python -m module`` would, and the launcher starts the next standby. An empty stdin (the
+launcher exiting) ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+READY_FD_ENV = "FLASHCKPT_STANDBY_READY_FD"
+
+
+def warm() -> None:
+    """What every training script imports, imported now."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    import flashckpt  # noqa: F401
+    import flashckpt.inprocess  # noqa: F401
+
+
+def run_as(assignment: dict) -> None:
+    """Become the worker ``assignment`` describes; returns when its script does."""
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    os.chdir(assignment["cwd"])
+    args = list(assignment["args"])
+    while args and args[0].startswith("-") and args[0] != "-m":
+        args.pop(0)  # interpreter flags (-u): this process already runs as they ask
+    if args[:1] == ["-m"]:
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main() -> None:
+    warm()
+    ready = os.environ.pop(READY_FD_ENV, None)
+    if ready is not None:
+        os.write(int(ready), b"ready\n")
+        os.close(int(ready))
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    run_as(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()
