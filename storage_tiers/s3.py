@@ -113,6 +113,12 @@ class S3Tier(Tier):
                 f"tier {self.spec.url} has no object {key!r}: expected {where} at "
                 f"{self.endpoint}, found nothing; check the key, or whether it was deleted"
             )
+        if code == "404":  # a listing of the bucket itself found nothing there
+            return TierUnavailableError(
+                f"tier {self.spec.url}: the S3 endpoint {self.endpoint} answered 404 Not Found "
+                f"to a {what} of bucket {self.bucket!r}; check endpoint_url (it must point at an "
+                "S3 service) and the bucket name"
+            )
         if code == "NoSuchBucket":
             return TierUnavailableError(
                 f"tier {self.spec.url}: bucket {self.bucket!r} does not exist at {self.endpoint}; "

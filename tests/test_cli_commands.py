@@ -432,8 +432,9 @@ def test_an_endpoint_answering_404_is_one_clear_line(tmp_path):
         server.shutdown()
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        "flashckpt ls: the S3 endpoint answered 404 Not Found; check endpoint_url (it must point "
-        "at an S3 service) and the bucket name (--debug shows where)"
+        f"flashckpt ls: tier s3://bucket/p: the S3 endpoint {endpoint} answered 404 Not Found to "
+        "a list of bucket 'bucket'; check endpoint_url (it must point at an S3 service) and the "
+        "bucket name (--debug shows where)"
     ]
 
 

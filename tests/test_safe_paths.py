@@ -382,12 +382,14 @@ def test_retention_removes_crashed_temporaries_older_than_the_grace(tmp_path):
     old = _leave_temp(root, layout.data_key("rj", 9, 3), age_s=7200)
     young = _leave_temp(root, layout.data_key("rj", 9, 4))
 
-    async def go() -> list[int]:
+    async def go() -> tier_io.Retired:
         tier = open_tier(f"pfs://{root}")
         try:
             return await tier_io.apply_retention(tier, "rj", 1, None)
         finally:
             await tier.close()
 
-    assert asyncio.run(go()) == []
+    retired = asyncio.run(go())
+    assert retired.steps == []
+    assert [t.key for t in retired.leftovers] == [layout.data_key("rj", 9, 3)]
     assert not old.exists() and young.exists()

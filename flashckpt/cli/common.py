@@ -152,13 +152,7 @@ def one_line(text: str) -> str:
 def describe_error(exc: BaseException) -> str:
     """An exception as one line a user can act on."""
     text = str(exc) or exc.__class__.__name__
-    if isinstance(exc, FileNotFoundError) and not getattr(exc, "filename", None):
-        if text.strip() in ("Not Found", "NoSuchKey", "404"):  # s3fs for an HTTP 404
-            text = (
-                "the S3 endpoint answered 404 Not Found; check endpoint_url (it must point at "
-                "an S3 service) and the bucket name"
-            )
-    elif isinstance(exc, PermissionError):
+    if isinstance(exc, PermissionError):
         text = f"{text}; check the permissions or run as the user that owns it"
     elif isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         text = f"{text}; pick another port, or stop what listens on it"
