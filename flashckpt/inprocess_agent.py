@@ -158,20 +158,23 @@ class Supervisor:
             pcontext.close()  # reaps the workers TorchElastic started (a replaced one failed)
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={m.rank: None for m in self.members.values()})  # fmt: skip
+        if self.recovery is not None and self._formed(self.recovery):
+            self._record_recovered(self.recovery)
+            self.recovery = None
         failed = {lr: s for lr, s in statuses.items() if s not in (None, 0)}
         if any(s == EXIT_GAVE_UP for s in failed.values()):
             return self._fall_back("a worker's round did not form in time", original)
-        for lr, status in failed.items():
+        if failed and self.recovery is not None:
+            ranks = sorted(self.members[lr].rank for lr in failed)
+            return self._fall_back(f"a second fault during recovery (rank {ranks} exited before "
+                                   f"round {self.recovery.round} formed)", original)  # fmt: skip
+        for lr, status in failed.items():  # those found together: one recovery
             if not self._replace(self.members[lr], status):
                 return self._fall_back(f"no standby was ready for rank {self.members[lr].rank}",
                                        original)  # fmt: skip
-        if self.recovery is not None:
-            if self._formed(self.recovery):
-                self._record_recovered(self.recovery)
-                self.recovery = None
-            elif time.monotonic() - self.recovery.began > self.deadline + 5:
-                return self._fall_back(f"round {self.recovery.round} did not form within "
-                                       f"{self.deadline:.0f}s", original)  # fmt: skip
+        if self.recovery is not None and time.monotonic() - self.recovery.began > self.deadline + 5:
+            return self._fall_back(f"round {self.recovery.round} did not form within "
+                                   f"{self.deadline:.0f}s", original)  # fmt: skip
         self.standbys.fill()
         return RunResult(state=WorkerState.HEALTHY)
 

@@ -217,13 +217,12 @@ def in_process(args, controller: InThread | None, events: EventLog) -> None:
 
     address = os.environ.get(STORE_ENV)
     store = None
-    if address is None and controller is not None:
-        host = control.split_address(controller_address(args))[0]
-        port = controller.port + 1 if not args.standalone else 0
-        store, address = host_store(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    elif address is not None:
-        with contextlib.suppress(RuntimeError):  # another node's launcher serves it
-            store, address = host_store(address)
+    if controller is not None:  # served next to the controller, which only one node can bind
+        if address is None:
+            host = control.split_address(controller_address(args))[0]
+            port = controller.port + 1 if not args.standalone else 0
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        store, address = host_store(address)
     if address is None:
         raise FlashCkptError(
             "in-process recovery needs the job's recovery store: set FLASHCKPT_RECOVERY_STORE "

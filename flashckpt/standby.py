@@ -10,6 +10,7 @@ launcher exiting) ends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -51,7 +52,8 @@ def main() -> None:
     warm()
     ready = os.environ.pop(READY_FD_ENV, None)
     if ready is not None:
-        os.write(int(ready), b"ready\n")
+        with contextlib.suppress(OSError):  # taken before it was warm: nobody listens
+            os.write(int(ready), b"ready\n")
         os.close(int(ready))
     line = sys.stdin.readline()
     if not line.strip():

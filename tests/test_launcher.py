@@ -62,8 +62,9 @@ class Cluster:
     directories and node name (``node_env``: each node's own variables), joined by one c10d
     rendezvous."""
 
-    def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}), **env: str):
-        self.tmp, self.name = tmp, name
+    def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
+                 trainer: Path = TRAINER, **env: str):  # fmt: skip
+        self.tmp, self.name, self.trainer = tmp, name, trainer
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
         self.controller = f"127.0.0.1:{free_port()}"
@@ -87,7 +88,7 @@ class Cluster:
         cmd = [str(LAUNCHER), f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
                f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
-               str(TRAINER)]  # fmt: skip
+               str(self.trainer)]  # fmt: skip
         self.starts[node] += 1
         log = open(self.tmp / f"{self.name}-node{node}-{self.starts[node]}.log", "w")  # noqa: SIM115
         self.logs[node] = log
@@ -150,9 +151,9 @@ class Cluster:
 
 
 def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),
-            **env: str) -> Run:  # fmt: skip
+            trainer: Path = TRAINER, **env: str) -> Run:  # fmt: skip
     """Both nodes from start to end; waits for both to exit."""
-    cluster = Cluster(tmp, name, node_env, **env)
+    cluster = Cluster(tmp, name, node_env, trainer, **env)
     try:
         for node in range(NODES):
             cluster.start(node)

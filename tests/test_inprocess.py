@@ -1,0 +1,131 @@
+"""In-process recovery under ``flashckpt-run`` (``FLASHCKPT_RESTART_POLICY=in-process``), on two
+simulated nodes of two gloo ranks: a killed, a hung or a raising rank is recovered while every
+healthy process keeps running (its pid never changes), a lost rank's place is taken by a warm
+standby, a second fault during recovery falls back to restarting every worker, and ten faults
+in one run leave the survivors' memory, threads and file descriptors where they were. Every
+run ends bit-identical to an undisturbed one (``test_launcher``'s reference)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from conftest import ROOT, wait_for
+from test_launcher import NODES, PER_NODE, Cluster, explain, free_port, reference, run_job
+
+TRAINER = ROOT / "tests" / "inprocess_trainer.py"
+WORLD = NODES * PER_NODE
+
+__all__ = ["reference"]  # the undisturbed run's digest, shared with test_launcher
+
+
+def env(**more: str) -> dict[str, str]:
+    return {"FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_RECOVERY_DEADLINE": "15",
+            "FLASHCKPT_RECOVERY_STORE": f"127.0.0.1:{free_port()}", **more}  # fmt: skip
+
+
+def lines(run, word: str) -> list[dict]:
+    """Every ``restored``/``done`` report of the workers, as dicts."""
+    out = []
+    for text in run.logs:
+        for m in re.finditer(rf"{word} (\d+) (?:(None|\d+) )?pid=(\d+)((?: \w+=\d+)*)", text):
+            fields = dict(kv.split("=") for kv in m.group(4).split())
+            out.append({"rank": int(m.group(1)), "step": m.group(2), "pid": int(m.group(3)),
+                        **{k: int(v) for k, v in fields.items()}})  # fmt: skip
+    return out
+
+
+def first_pid(run) -> dict[int, int]:
+    return {r["rank"]: r["pid"] for r in reversed(lines(run, "restored")) if r["step"] == "None"}
+
+
+def last_pid(run) -> dict[int, int]:
+    return {r["rank"]: r["pid"] for r in lines(run, "done")}
+
+
+def events(run, kind: str) -> list[dict]:
+    return [e for node in run.events for e in node if e["kind"] == kind]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_and_every_other_keeps_its_process(tmp_path, reference):
+    run = run_job(tmp_path, "ip-kill", trainer=TRAINER, **env(FT_FAULTS="kill:1:12"))
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    before, after = first_pid(run), last_pid(run)
+    assert sorted(after) == list(range(WORLD))
+    assert {r for r in range(WORLD) if before[r] == after[r]} == {0, 2, 3}, (before, after)
+    assert {r["step"] for r in lines(run, "restored") if r["step"] != "None"} == {"12"}
+    started = events(run, "replacement_started")
+    assert [(e["rank"], e["round"], e["lost_status"]) for e in started] == [(1, 1, -9)]
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_killed_replaced_and_the_ranks_waiting_on_it_recover(tmp_path, reference):
+    # Node 0's ranks wait in the collective for rank 3 and go silent with it: a higher floor
+    # there lets node 1 judge first, and kill the stopped rank alone.
+    run = run_job(tmp_path, "ip-hang", trainer=TRAINER,
+                  node_env=({"FLASHCKPT_HANG_FLOOR": "8"}, {"FLASHCKPT_HANG_FLOOR": "3"}),
+                  **env(FT_FAULTS="stop:3:10"))  # fmt: skip
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    hangs = events(run, "hang_detected")
+    assert [(e["rank"], e["process_state"]) for e in hangs] == [(3, "T")], hangs
+    before, after = first_pid(run), last_pid(run)
+    assert {r for r in range(WORLD) if before[r] == after[r]} == {0, 1, 2}, (before, after)
+
+
+@pytest.mark.slow
+def test_an_exception_in_one_rank_reruns_training_in_every_process(tmp_path, reference):
+    run = run_job(tmp_path, "ip-raise", trainer=TRAINER, **env(FT_FAULTS="raise:2:8"))
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert first_pid(run) == last_pid(run)  # no process was lost or replaced
+    assert {r["step"] for r in lines(run, "restored") if r["step"] != "None"} == {"8"}
+    faults = events(run, "inprocess_fault")
+    assert any(e["rank"] == 2 and e["own"] for e in faults), faults
+    assert not events(run, "replacement_started")
+
+
+@pytest.mark.slow
+def test_a_second_fault_during_recovery_falls_back_to_restarting_every_worker(tmp_path, reference):
+    """The replacement dies before its round forms: the launcher restarts every worker."""
+    cluster = Cluster(tmp_path, "ip-second", trainer=TRAINER, **env(FT_FAULTS="kill:1:12"))
+    try:
+        for node in range(NODES):
+            cluster.start(node)
+        started = wait_for(lambda: [e for n in range(NODES) for e in cluster.events(n)
+                                    if e["kind"] == "replacement_started"], 180, interval=0.01,
+                           what="a replacement")  # fmt: skip
+        os.kill(started[0]["pid"], signal.SIGKILL)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    fallback = events(run, "inprocess_fallback")
+    assert fallback and "during recovery" in fallback[0]["reason"], fallback
+
+
+@pytest.mark.slow
+def test_ten_faults_in_one_run_and_nothing_grows_in_the_survivors(tmp_path, reference):
+    ranks = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # rank 0 is never hit: it survives all ten
+    kinds = ["kill", "raise"] * 5
+    plan = ",".join(f"{k}:{r}:{s}" for k, r, s in zip(kinds, ranks, range(2, 22, 2), strict=True))
+    began = time.monotonic()
+    run = run_job(tmp_path, "ip-ten", trainer=TRAINER, timeout=400, **env(FT_FAULTS=plan))
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert not events(run, "inprocess_fallback"), events(run, "inprocess_fallback")
+    zero = [r for r in lines(run, "restored") if r["rank"] == 0]
+    assert len(zero) == 11 and len({r["pid"] for r in zero}) == 1  # ten recoveries, one process
+    second, last = zero[1], zero[-1]  # after the first recovery, and after the tenth
+    assert last["fds"] <= second["fds"] and last["threads"] <= second["threads"], (second, last)
+    assert last["rss_kb"] - second["rss_kb"] < 30_000, (second, last)
+    assert len(events(run, "replacement_started")) == 5
+    assert time.monotonic() - began < 400
