@@ -1,20 +1,28 @@
-"""Recovery time: from a fault to training resumed, on two simulated nodes of this machine.
+"""Recovery time: from a fault to every rank training again, on two simulated nodes.
 
-    python benchmarks/recovery.py [--rounds 3] [--hang-floor 3] [--baseline-timeout 60]
+    python benchmarks/recovery.py [--rounds 3] [--hang-floor 3] [--baseline-timeout 90]
 
-Each node is one ``flashckpt-run`` (two gloo ranks of ``examples/train.py``, its own shared
-memory and run directory) joined by a c10d rendezvous on 127.0.0.1, as two hosts would be.
-Cases, each run ``--rounds`` times:
+Each node is one ``flashckpt-run`` (two gloo ranks, its own shared memory and run directory)
+joined by a c10d rendezvous on 127.0.0.1, as two hosts would be. The job is the launcher
+tests' (``tests/inprocess_trainer.py``: ``flashckpt.run_recoverable(train)``, 40 steps, a
+snapshot every step). Each case runs ``--rounds`` times under both restart policies:
 
 - kill: rank 1 SIGKILLs itself after step 20;
-- hang: rank 3 SIGSTOPs itself after step 20 (``FLASHCKPT_HANG_FLOOR`` = ``--hang-floor``);
+- hang: rank 3 SIGSTOPs itself after step 20 (``FLASHCKPT_HANG_FLOOR`` = ``--hang-floor`` on
+  its node; the other node's ranks, blocked on it, get twice that);
+- raise: rank 2's training function raises after step 20;
 
-and, in the same run, the baseline: the kill case under plain ``torchrun`` with the same
-arguments, given ``--baseline-timeout`` seconds to finish.
+With ``--effective MINUTES``, instead: one run of that length per policy, a fault every
+``--every`` seconds (kill of rank 1, hang of rank 3, exception in rank 2, in turn) on steps
+of ``--step-ms`` of simulated compute, and each run's ``flashckpt report``: the effective
+training time and where the lost time went.
 
-The split comes from the launchers' event logs (``flashckpt report``): detect, from the
-failed rank's last heartbeat to its detection; restart, from there to the restore starting;
-restore, the slowest rank's; steps lost, recomputed after the restore. Medians are printed.
+``restart`` is today's full restart (every worker of every node killed and started again),
+``in-process`` keeps every healthy process and hands the lost rank to a warm standby. In the
+same run, the baseline: the kill case under plain ``torchrun`` with the same arguments (a
+whole restart, then the job's own restore), timed to its end.
+
+The split comes from the launchers' event logs (``flashckpt report``); medians are printed.
 """
 
 from __future__ import annotations
@@ -34,8 +42,11 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "examples" / "train.py"
+TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 BIN = Path(sys.executable).parent
+STEPS, FAULT_STEP = 40, 20
+FAULTS = {"kill": f"kill:1:{FAULT_STEP}", "hang": f"stop:3:{FAULT_STEP}",
+          "raise": f"raise:2:{FAULT_STEP}"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -44,28 +55,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(
-    launcher: str, tmp: Path, timeout: float, **env: str
-) -> tuple[list[int], float, list[Path]]:
+def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),
+              **env: str) -> tuple[list[int], float, list[Path]]:  # fmt: skip
     """Run the job on two simulated nodes; (exit codes, seconds, the nodes' event logs)."""
     port, job = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
     procs, runs, shms = [], [], []
-    token, controller = uuid.uuid4().hex, f"127.0.0.1:{free_port()}"
+    marks = tmp / f"{job}-marks"
+    marks.mkdir()
+    common = {"FLASHCKPT_CONTROLLER_TOKEN": uuid.uuid4().hex,
+              "FLASHCKPT_CONTROLLER": f"127.0.0.1:{free_port()}",
+              "FT_MARKS": str(marks),
+              "FT_DIGEST": str(tmp / f"{job}.digest"), "FT_STEPS": str(STEPS),
+              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
     for node in range(2):
         run_dir, shm = tmp / f"{job}-run{node}", Path("/dev/shm") / f"flashckpt-bench-{job}-{node}"
         runs.append(run_dir)
         shms.append(shm)
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(shm), "FLASHCKPT_RUN_DIR": str(run_dir),
-                "FLASHCKPT_NODE": f"node{node}", "FLASHCKPT_CONTROLLER_TOKEN": token, "FLASHCKPT_CONTROLLER": controller,
-                "OMP_NUM_THREADS": "1", "STEPS": "40", **env}  # fmt: skip
+                "FLASHCKPT_NODE": f"node{node}", **common, **env, **node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         cmd = [str(BIN / launcher), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=3",
-               "--monitor-interval=0.1", str(TRAIN)]  # fmt: skip
+               "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
         if node == 0:
-            time.sleep(1.0)  # node 0 hosts the rendezvous store and the controller
+            time.sleep(1.0)  # node 0 hosts the rendezvous store
     began, codes = time.monotonic(), []
     try:
         for p in procs:
@@ -85,7 +100,7 @@ def two_nodes(
 
 
 def _kill_leftovers(shms: list[Path]) -> None:
-    """Workers run in their own sessions: end any that used these shared-memory dirs."""
+    """Workers and standbys run in their own sessions: end any that used these directories."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             env = Path(f"/proc/{pid}/environ").read_bytes()
@@ -93,24 +108,66 @@ def _kill_leftovers(shms: list[Path]) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
-def measure(case: str, tmp: Path, hang_floor: float) -> dict:
+def run_policy(policy: str, tmp: Path, hang_floor: float, timeout: float, **env: str):
+    """One job under ``policy``; its ``flashckpt report``."""
     from flashckpt.events import read_events
     from flashckpt.report import summarize
 
-    fault = {"kill": {"FAIL_AT_STEP": "20", "FAIL_RANK": "1"},
-             "hang": {"HANG_AT_STEP": "20", "FAIL_RANK": "3",
-                      "FLASHCKPT_HANG_FLOOR": str(hang_floor)}}[case]  # fmt: skip
-    codes, _, logs = two_nodes("flashckpt-run", tmp, 240, **fault)
+    floors = ({"FLASHCKPT_HANG_FLOOR": str(2 * hang_floor)},
+              {"FLASHCKPT_HANG_FLOOR": str(hang_floor)})  # fmt: skip
+    if policy == "in-process":
+        env["FLASHCKPT_RECOVERY_STORE"] = f"127.0.0.1:{free_port()}"
+    codes, _, logs = two_nodes("flashckpt-run", tmp, timeout, floors,
+                               FLASHCKPT_RESTART_POLICY=policy, **env)  # fmt: skip
     if codes != [0, 0]:
-        raise SystemExit(f"{case}: the job did not finish (exit codes {codes}); logs in {tmp}")
-    events = [e for log in logs if log.exists() for e in read_events(log)]
-    report = summarize(events)
-    if not report.failures or report.failures[0].restore_s is None:
-        raise SystemExit(f"{case}: no failure and restore in the event logs {logs}")
-    f = report.failures[0]
-    return {"detect": f.detect_s, "restart": f.restart_s, "restore": f.restore_s,
-            "resumed": f.detect_s + f.restart_s + f.restore_s,
-            "steps_lost": f.recomputed_steps()}  # fmt: skip
+        raise SystemExit(f"{policy}: the job did not finish (exit codes {codes}); logs in {tmp}")
+    return summarize([e for log in logs if log.exists() for e in read_events(log)])
+
+
+def measure(policy: str, case: str, tmp: Path, hang_floor: float) -> dict:
+    failures = run_policy(policy, tmp, hang_floor, 240, FT_FAULTS=FAULTS[case]).failures
+    if not failures or failures[0].resume_s is None:
+        raise SystemExit(f"{policy} {case}: no failure and restore in the event logs")
+    f = failures[0]
+    if policy == "in-process" and f.mode != "in-process":
+        raise SystemExit(f"in-process {case}: fell back to a restart ({f.fallback})")
+    zero = lambda v: v or 0.0  # noqa: E731
+    return {"again": f.detect_s + f.resume_s, "detect": f.detect_s,
+            "abort": zero(f.abort_s), "rendezvous": zero(f.rendezvous_s),
+            "replacement": zero(f.replacement_s), "restart": zero(f.restart_s),
+            "restore": zero(f.restore_s), "steps": f.recomputed_steps() or 0}  # fmt: skip
+
+
+def torchrun_kill(tmp: Path, timeout: float) -> str:
+    """The kill case under plain torchrun: no launcher events, so the fault is dated by the
+    trainer's fault marker and every rank training again by the workers' own restores."""
+    from flashckpt.events import ENV, read_events
+
+    log = tmp / "torchrun.events.jsonl"
+    codes, took, _ = two_nodes("torchrun", tmp, timeout, FT_FAULTS=FAULTS["kill"],
+                               **{ENV: str(log)})  # fmt: skip
+    if codes != [0, 0]:
+        return f"not finished after {took:.0f}s (exit codes {codes})"
+    (mark,) = tmp.glob(f"*-marks/kill-1-{FAULT_STEP}")
+    restored = [e["time"] for e in read_events(log)
+                if e["kind"] == "restored" and e.get("step") is not None]  # fmt: skip
+    if len(restored) < 4:
+        return f"finished in {took:.1f}s, but its restores are not in {log}"
+    return f"{max(restored) - mark.stat().st_mtime:.2f}s to every rank training again"
+
+
+def effective(args: argparse.Namespace, tmp: Path) -> None:
+    from flashckpt.report import render
+
+    step_s = args.step_ms / 1000
+    steps = int(args.effective * 60 / (step_s + 0.03))  # about 30 ms of real step and save
+    for policy in ("in-process", "restart"):
+        report = run_policy(policy, tmp, args.hang_floor, args.effective * 120 + 300,
+                            FT_STEPS=str(steps), FT_STEP_S=str(step_s), FT_EVERY=str(args.every),
+                            FT_SCHEDULE="kill:1,stop:3,raise:2", FT_T0=str(time.time()))  # fmt: skip
+        print(f"--- {policy}: {steps} steps, a fault every {args.every:g}s, hang floor "
+              f"{args.hang_floor:g}s")  # fmt: skip
+        print(render(report))
 
 
 def main() -> None:
@@ -119,26 +176,39 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hang-floor", type=float, default=3.0)
-    p.add_argument("--baseline-timeout", type=float, default=60.0)
+    p.add_argument("--baseline-timeout", type=float, default=90.0)
+    p.add_argument("--cases", default="kill,hang,raise")
+    p.add_argument("--effective", type=float, metavar="MINUTES")
+    p.add_argument("--every", type=float, default=60.0)
+    p.add_argument("--step-ms", type=float, default=100.0)
     args = p.parse_args()
+    cases = args.cases.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="fc-recovery-"))
+    if args.effective:
+        try:
+            return effective(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     try:
-        rows = {case: [measure(case, tmp, args.hang_floor) for _ in range(args.rounds)]
-                for case in ("kill", "hang")}  # fmt: skip
-        codes, took, _ = two_nodes("torchrun", tmp, args.baseline_timeout, FAIL_AT_STEP="20",
-                                   FAIL_RANK="1")  # fmt: skip
+        rows = {(policy, case): [measure(policy, case, tmp, args.hang_floor)
+                                 for _ in range(args.rounds)]
+                for case in cases for policy in ("in-process", "restart")}  # fmt: skip
+        baseline = torchrun_kill(tmp, args.baseline_timeout)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"fault -> training resumed, 2 nodes x 2 gloo ranks, median of {args.rounds} (seconds)")
-    print(f"{'case':<6}{'resumed':>9}{'detect':>8}{'restart':>9}{'restore':>9}{'steps lost':>12}")
-    for case, runs in rows.items():
+    print(f"fault -> every rank training again, 2 nodes x 2 gloo ranks, median of "
+          f"{args.rounds} (seconds; hang floor {args.hang_floor:g}s)")  # fmt: skip
+    cols = ("again", "detect", "abort", "rendezvous", "replacement", "restart", "restore")
+    print(f"{'case':<7}{'policy':<12}" + "".join(f"{c:>12}" for c in cols) + f"{'steps lost':>12}")
+    for (policy, case), runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{case:<6}{med['resumed']:>9.1f}{med['detect']:>8.1f}{med['restart']:>9.1f}"
-              f"{med['restore']:>9.2f}{med['steps_lost']:>12.0f}")  # fmt: skip
-    if codes == [0, 0]:
-        print(f"baseline torchrun, kill case: finished in {took:.1f}s (whole job)")
-    else:
-        print(f"baseline torchrun, kill case: not finished after {took:.0f}s (exit codes {codes})")
+        print(f"{case:<7}{policy:<12}" + "".join(f"{med[c]:>12.2f}" for c in cols)
+              + f"{med['steps']:>12.0f}")  # fmt: skip
+    for case in cases:
+        fast = statistics.median(r["again"] for r in rows["in-process", case])
+        slow = statistics.median(r["again"] for r in rows["restart", case])
+        print(f"{case}: in-process recovers {slow / fast:.1f}x faster than a full restart")
+    print(f"baseline, plain torchrun, kill case: {baseline}")
 
 
 if __name__ == "__main__":

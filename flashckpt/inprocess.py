@@ -11,6 +11,11 @@ top: its ``restore()`` rolls the state back in place to the newest step every ra
 each from its own shared memory. A round that does not form within the deadline ends the
 process with ``EXIT_GAVE_UP``, and the launcher falls back to restarting every worker.
 
+Gloo's collectives fail within milliseconds when a peer's connections close. NCCL's do not:
+a collective blocked on a dead peer waits out its timeout. Under every backend but gloo each
+rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts its own process group as soon as the round
+has moved on (a rank left it, or the launcher handed out a replacement), which releases it.
+
 Under plain torchrun, or ``flashckpt-run`` without ``FLASHCKPT_RESTART_POLICY=in-process``,
 it is ``init_process_group()``, ``train()``, ``destroy_process_group()``.
 """
@@ -21,13 +26,14 @@ import datetime
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
 
-from . import config
+from . import config, heartbeat
 from .events import EventLog
 
 log = logging.getLogger(__name__)
@@ -110,6 +116,26 @@ class Rounds:
         self.events = EventLog.from_env()
         self._left_at: float | None = None
         self._fault_at: float | None = None
+        self._address = (host, port)
+        self._watch: RoundWatch | None = None
+        self._watch_client: dist.TCPStore | None = None
+
+    def _watching(self) -> bool:
+        """Whether this round runs a RoundWatch: ``FLASHCKPT_RECOVERY_WATCH``, ``auto``
+        (default: every backend but gloo) or a boolean."""
+        value = str(config.setting("recovery_watch", None, "auto")).lower()
+        if value == "auto":
+            return dist.get_backend() != "gloo"
+        return config.setting_bool("recovery_watch")
+
+    def _watch_store(self) -> dist.TCPStore:
+        """A store client of the watch's own (one per process), so that it never waits on a
+        request of the training thread."""
+        if self._watch_client is None:
+            host, port = self._address
+            self._watch_client = dist.TCPStore(host, port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=self.deadline))  # fmt: skip
+        return self._watch_client
 
     def key(self, name: str) -> str:
         return f"flashckpt/{self.ns}/{name}"
@@ -134,6 +160,10 @@ class Rounds:
             dist.barrier()  # formed: every rank of the round is in it
         except Exception as exc:  # a rank died between arriving and connecting
             self._give_up(str(exc))
+        if self._watching():
+            self._watch = RoundWatch(self._watch_store(), self.key("round"), self.round,
+                                     dist.group.WORLD.abort)  # fmt: skip
+            self._watch.start()
         self.store.add(self.key(f"round-{self.round}/joined"), 1)
         if self._left_at is not None:
             self._record("inprocess_joined", rendezvous_s=time.monotonic() - self._left_at,
@@ -151,16 +181,21 @@ class Rounds:
         fault = Fault(exc)
         log.warning("rank %d, round %d: %s; leaving the round for the next one", self.rank,
                     self.round, fault.message)  # fmt: skip
-        self._record("inprocess_fault", own=fault.own, error=fault.message[:300])
+        self._record("inprocess_fault", own=fault.own, step=heartbeat.last_step(),
+                     error=fault.message[:300])  # fmt: skip
         return fault
 
     def leave(self, finished: bool) -> None:
         """Abort and destroy this round's process group; unless ``finished``, move on to the
         next round (the newest any rank has reached)."""
         began = time.monotonic()
+        aborted = False
+        if self._watch is not None:
+            aborted = self._watch.stop()
+            self._watch = None
         gc.collect()  # what still refers to the group (a wrapper of the old round) goes first
         group = dist.group.WORLD
-        if not finished and group is not None:
+        if not finished and not aborted and group is not None:
             try:
                 group.abort()  # closes its connections: peers blocked on this rank wake
             except Exception as exc:  # a backend that cannot abort: destroying closes them
@@ -180,3 +215,38 @@ class Rounds:
     def _record(self, kind: str, **fields: object) -> None:
         if self.events is not None:
             self.events.record(kind, rank=self.rank, round=self.round, **fields)
+
+
+class RoundWatch(threading.Thread):
+    """Calls ``abort`` once the store's round is past ``round`` (see the module doc)."""
+
+    def __init__(self, store: Any, key: str, round: int, abort: Callable[[], None],
+                 interval: float = 0.05):  # fmt: skip
+        super().__init__(name=f"flashckpt-round-{round}", daemon=True)
+        self.store, self.key, self.round = store, key, round
+        self.abort, self.interval = abort, interval
+        self._halt = threading.Event()
+        self.aborted = False
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                now = int(self.store.get(self.key).decode())
+            except Exception as exc:  # the store gone: the launcher falls back on its own
+                log.debug("round watch: %s", exc)
+                return
+            if now > self.round and not self._halt.is_set():
+                log.warning("round %d is over (the job moved to round %d): aborting this "
+                            "rank's process group", self.round, now)  # fmt: skip
+                self.aborted = True
+                try:
+                    self.abort()
+                except Exception as exc:
+                    log.warning("aborting round %d's process group: %s", self.round, exc)
+                return
+
+    def stop(self) -> bool:
+        """Stop watching; whether the group was aborted."""
+        self._halt.set()
+        self.join(5)
+        return self.aborted

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -129,14 +130,15 @@ class Supervisor:
         self.recovered = 0
 
     # ---- the worker group's life ------------------------------------------------------
-    def started(self, wg: WorkerGroup, pids: dict[int, int]) -> None:
-        """The worker group TorchElastic just started (``pids``: local rank -> pid)."""
+    def started(self, wg: WorkerGroup, pids: dict[int, int], envs: dict[int, dict]) -> None:
+        """The worker group TorchElastic just started (``pids``: local rank -> pid; ``envs``:
+        local rank -> the variables it set for that worker over the launcher's own)."""
         self.members.clear()
         self.recovery = None
         self.args = tuple(wg.spec.args)
         for w in wg.workers:
-            pid = pids[w.local_rank]
-            self.members[w.local_rank] = Member(w.global_rank, pid, _environ(pid))
+            env = {**os.environ, **envs[w.local_rank]}
+            self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)
             self.world = w.world_size
         self.standbys.fill()
 
@@ -242,12 +244,6 @@ class Supervisor:
         return result
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
 class RecoveringAgent(LocalElasticAgent):
     """TorchElastic's agent, with a lost worker replaced in place (see the module doc)."""
 
@@ -255,8 +251,21 @@ class RecoveringAgent(LocalElasticAgent):
     served_store: Any = None  # the recovery store, when this launcher serves it
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids = super()._start_workers(worker_group)
-        self.supervisor.started(worker_group, pids)
+        # The workers' environments, as TorchElastic hands them to start_processes: what a
+        # replacement needs to become one of them.
+        envs: dict[int, dict] = {}
+        original = local_elastic_agent.start_processes
+
+        def start_processes(*args: Any, **kwargs: Any) -> Any:
+            envs.update(kwargs["envs"])
+            return original(*args, **kwargs)
+
+        local_elastic_agent.start_processes = start_processes
+        try:
+            pids = super()._start_workers(worker_group)
+        finally:
+            local_elastic_agent.start_processes = original
+        self.supervisor.started(worker_group, pids, envs)
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

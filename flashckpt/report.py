@@ -1,13 +1,22 @@
 """``flashckpt report``: effective training time from a job's event logs.
 
-    lost = failures x (detect + restart + restore + recomputed steps) + steady save stall
+    lost = steady save stall + failures x (detect + resume + recomputed steps)
 
-A failure is a hang the watchdog detected, a worker that exited before closing, or a node the
-controller lost (its agent went silent). Its parts:
-detect, from the failing rank's last heartbeat to the detection; restart, from the detection
-to the first restore starting; restore, the slowest rank's restore; recomputed, the steps
-between the newest one a rank had saved and the one restored, plus the step in progress, at
-the job's typical step time. The save stall is the time ``save()`` blocked, over all saves.
+A failure is a hang the watchdog detected, a worker that exited before closing, a node the
+controller lost (its agent went silent) or, under in-process recovery, an exception a rank's
+training function raised. Its parts:
+
+- detect: from the failing rank's last heartbeat to the first reaction to it (the watchdog's
+  verdict, the launcher seeing the exit, a peer's collective failing); 0 for an exception;
+- resume: from there until every rank has restored and trains again. After a full restart it
+  splits into restart (to the first restore starting) and restore (the slowest rank's); after
+  an in-process recovery into abort (the slowest rank tearing its process group down),
+  rendezvous (the slowest rank waiting for the next round to form), replacement (a standby
+  handed a lost rank, until its round formed) and restore;
+- recomputed: the steps between the newest one a rank had saved and the one restored, plus
+  the step in progress, at the job's typical step time.
+
+The save stall is the time ``save()`` blocked, over all saves.
 """
 
 from __future__ import annotations
@@ -18,19 +27,33 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Failure:
-    at: float
-    kind: str  # "hang", "exit" or "node"
+    at: float  # the first reaction to it
+    kind: str  # "hang", "exit", "node" or "exception"
     ranks: list[int]
     detect_s: float
     last_step: int | None
+    mode: str = "restart"  # or "in-process"
     restart_s: float | None = None
     restore_s: float | None = None
     restored_step: int | None = None
+    resumed_at: float | None = None  # the last rank's restore done
+    abort_s: float | None = None
+    rendezvous_s: float | None = None
+    replacement_s: float | None = None
+    fallback: str | None = None  # why in-process recovery gave way to a restart
 
     def recomputed_steps(self) -> int | None:
         if self.restored_step is None or self.last_step is None:
             return None
         return max(0, self.last_step - self.restored_step) + 1
+
+    @property
+    def resume_s(self) -> float | None:
+        return None if self.resumed_at is None else max(0.0, self.resumed_at - self.at)
+
+    def add_step(self, step: int | None) -> None:
+        if step is not None:
+            self.last_step = max(step, self.last_step if self.last_step is not None else step)
 
 
 @dataclass
@@ -43,67 +66,154 @@ class Report:
     def lost_s(self) -> float:
         lost = self.save_stall_s
         for f in self.failures:
-            lost += f.detect_s + (f.restart_s or 0) + (f.restore_s or 0)
+            lost += f.detect_s + (f.resume_s or 0)
             steps = f.recomputed_steps()
             if steps and self.step_s:
                 lost += steps * self.step_s
         return lost
 
+    def effective(self) -> float | None:
+        return (1 - self.lost_s() / self.wall_s) if self.wall_s > 0 else None
+
     def to_dict(self) -> dict:
         return {
             "wall_s": self.wall_s, "lost_s": self.lost_s(), "step_s": self.step_s,
-            "effective": (1 - self.lost_s() / self.wall_s) if self.wall_s > 0 else None,
-            "save_stall_s": self.save_stall_s,
-            "failures": [{**f.__dict__, "recomputed_steps": f.recomputed_steps()}
-                         for f in self.failures],
+            "effective": self.effective(), "save_stall_s": self.save_stall_s,
+            "failures": [{**f.__dict__, "resume_s": f.resume_s,
+                          "recomputed_steps": f.recomputed_steps()} for f in self.failures],
         }  # fmt: skip
 
 
 _FAILURE = {"hang_detected": "hang", "worker_exited": "exit", "node_lost": "node"}
 
 
+class _Reader:
+    """Walks the merged event logs in time order, one failure open at a time."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        self.open: Failure | None = None
+        self.killed: set[int] = set()  # pids the watchdog killed: their exit is that failure's
+        self.replaced: set[int] = set()  # pids a standby replaced: their exit is that failure's
+        self.peer_fault_at: float | None = None  # a peer's collective failing, cause unknown
+        self.step_times: list[float] = []
+
+    def current(self, at: float, kind: str, detect_s: float, step: int | None) -> Failure:
+        """The open failure, or a new one if the last has resumed."""
+        if self.open is None or self.open.resumed_at is not None:
+            origin = at - detect_s  # the failing rank's last heartbeat
+            if self.peer_fault_at is not None:  # a peer's collective failed first
+                at = min(at, self.peer_fault_at)
+            self.open = Failure(at=at, kind=kind, ranks=[], detect_s=max(0.0, at - origin),
+                                last_step=step)  # fmt: skip
+            if self.peer_fault_at is not None:
+                self.open.mode = "in-process"
+            self.report.failures.append(self.open)
+        self.peer_fault_at = None
+        return self.open
+
+    def event(self, e: dict) -> None:
+        kind, t = e["kind"], e["time"]
+        handler = getattr(self, f"on_{kind}", None)
+        if handler is not None:
+            handler(e, t)
+
+    def on_hang_detected(self, e: dict, t: float) -> None:
+        self.killed.add(e.get("worker_pid"))
+        f = self.current(t, "hang", _num(e.get("silent_s")), _int(e.get("step")))
+        f.kind = "hang"
+        f.ranks.append(e.get("rank"))
+        f.add_step(_int(e.get("step")))
+
+    def on_node_lost(self, e: dict, t: float) -> None:
+        f = self.current(t, "node", _num(e.get("silent_s")), _int(e.get("step")))
+        f.kind = "node"  # the exits seen first were its consequences
+        f.ranks = [r for r in e.get("ranks") or [] if isinstance(r, int)]
+        f.detect_s = max(f.detect_s, _num(e.get("silent_s")))
+
+    def on_worker_exited(self, e: dict, t: float) -> None:
+        pid = e.get("worker_pid")
+        if pid in self.killed:
+            return
+        silent = _num(e.get("silent_s"))
+        if pid in self.replaced and self.open is not None:
+            # Seen by the launcher after the standby took over: the failure is open already,
+            # its detection the first reaction; the exit dates the fault (its last heartbeat).
+            self.open.detect_s = max(self.open.detect_s, self.open.at - (t - silent))
+            self.open.add_step(_int(e.get("step")))
+            return
+        f = self.current(t, "exit", silent, _int(e.get("step")))
+        if not f.ranks:
+            f.ranks.append(e.get("rank"))  # later exits: the restart's kills
+        f.add_step(_int(e.get("step")))
+
+    def on_replacement_started(self, e: dict, t: float) -> None:
+        lost = e.get("lost_pid")
+        if lost in self.killed:  # a hung rank's: the failure is the hang
+            f = self.current(t, "hang", 0.0, None)
+        else:
+            self.replaced.add(lost)
+            f = self.current(t, "exit", 0.0, None)
+            if e.get("rank") not in f.ranks:
+                f.ranks.append(e.get("rank"))
+        f.mode = "in-process"
+
+    def on_inprocess_fault(self, e: dict, t: float) -> None:
+        if e.get("own"):
+            f = self.current(t, "exception", 0.0, _int(e.get("step")))
+            f.mode = "in-process"
+            if f.kind == "exception" and e.get("rank") not in f.ranks:
+                f.ranks.append(e.get("rank"))
+            f.add_step(_int(e.get("step")))
+        elif self.open is not None and self.open.resumed_at is None:
+            self.open.mode = "in-process"
+            self.open.add_step(_int(e.get("step")))
+        elif self.peer_fault_at is None:
+            self.peer_fault_at = t  # a peer noticed first: the cause comes next
+
+    def on_inprocess_left(self, e: dict, t: float) -> None:
+        if self.open is not None:
+            self.open.abort_s = max(self.open.abort_s or 0.0, _num(e.get("abort_s")))
+
+    def on_inprocess_joined(self, e: dict, t: float) -> None:
+        if self.open is not None:
+            self.open.rendezvous_s = max(self.open.rendezvous_s or 0.0,
+                                         _num(e.get("rendezvous_s")))  # fmt: skip
+
+    def on_inprocess_recovered(self, e: dict, t: float) -> None:
+        if self.open is not None:
+            self.open.replacement_s = max(self.open.replacement_s or 0.0,
+                                          _num(e.get("replacement_s")))  # fmt: skip
+
+    def on_inprocess_fallback(self, e: dict, t: float) -> None:
+        if self.open is not None:
+            self.open.mode, self.open.fallback = "restart", str(e.get("reason"))
+
+    def on_restored(self, e: dict, t: float) -> None:
+        f = self.open
+        if f is None:
+            return
+        took = _num(e.get("seconds"))
+        if f.restart_s is None:
+            f.restart_s = max(0.0, t - took - f.at)
+        f.restore_s = max(f.restore_s or 0.0, took)
+        f.restored_step = _int(e.get("step"))
+        f.resumed_at = max(f.resumed_at or t, t)
+
+    def on_closed(self, e: dict, t: float) -> None:
+        self.report.save_stall_s += _num(e.get("save_stall_s"))
+        if _num(e.get("step_s")) > 0:
+            self.step_times.append(_num(e["step_s"]))
+
+
 def summarize(events: list[dict]) -> Report:
     events = sorted(events, key=lambda e: e["time"])
     times = [e["time"] for e in events]
     report = Report(wall_s=(times[-1] - times[0]) if times else 0.0)
-    open_failure: Failure | None = None
-    killed: set[int] = set()  # worker pids the watchdog killed: their exit is that failure's
-    step_times: list[float] = []
+    reader = _Reader(report)
     for e in events:
-        kind = e["kind"]
-        if kind in ("hang_detected", "node_lost") or (
-            kind == "worker_exited" and e.get("worker_pid") not in killed
-        ):
-            if kind == "hang_detected":
-                killed.add(e.get("worker_pid"))
-            if open_failure is None or open_failure.restore_s is not None:
-                open_failure = Failure(
-                    at=e["time"], kind=_FAILURE[kind], ranks=[],
-                    detect_s=_num(e.get("silent_s")), last_step=_int(e.get("step")),
-                )  # fmt: skip
-                report.failures.append(open_failure)
-            if kind == "node_lost":
-                open_failure.kind = "node"  # the exits seen first were its consequences
-                open_failure.ranks = [r for r in e.get("ranks") or [] if isinstance(r, int)]
-                open_failure.detect_s = max(open_failure.detect_s, _num(e.get("silent_s")))
-                continue
-            if kind == "hang_detected" or not open_failure.ranks:
-                open_failure.ranks.append(e.get("rank"))  # later exits: the restart's kills
-            step = _int(e.get("step"))
-            if step is not None:
-                open_failure.last_step = max(step, open_failure.last_step or step)
-        elif kind == "restored" and open_failure is not None:
-            took = _num(e.get("seconds"))
-            began = e["time"] - took
-            if open_failure.restart_s is None:
-                open_failure.restart_s = max(0.0, began - open_failure.at)
-            open_failure.restore_s = max(open_failure.restore_s or 0.0, took)
-            open_failure.restored_step = _int(e.get("step"))
-        elif kind == "closed":
-            report.save_stall_s += _num(e.get("save_stall_s"))
-            if _num(e.get("step_s")) > 0:
-                step_times.append(_num(e["step_s"]))
-    report.step_s = statistics.median(step_times) if step_times else None
+        reader.event(e)
+    report.step_s = statistics.median(reader.step_times) if reader.step_times else None
     return report
 
 
@@ -111,25 +221,32 @@ def render(report: Report) -> str:
     lines = [f"wall time {report.wall_s:.1f}s, {len(report.failures)} failure(s)"]
     for i, f in enumerate(report.failures, 1):
         steps = f.recomputed_steps()
+        what = {"node": "lost node", "exit": "exit"}.get(f.kind, f.kind)
+        if f.mode == "in-process":
+            parts = (f"in-process: detect {f.detect_s:.2f}s, abort {_s(f.abort_s)}, "
+                     f"rendezvous {_s(f.rendezvous_s)}, replacement {_s(f.replacement_s)}, "
+                     f"restore {_s(f.restore_s)}")  # fmt: skip
+        else:
+            parts = (f"restart{' (in-process fell back: ' + f.fallback + ')' if f.fallback else ''}: "
+                     f"detect {f.detect_s:.1f}s, restart {_s(f.restart_s)}, "
+                     f"restore {_s(f.restore_s)}")  # fmt: skip
         lines.append(
-            f"  {i}. {'lost node' if f.kind == 'node' else f.kind} of rank(s) "
-            f"{sorted(set(r for r in f.ranks if r is not None))}: "
-            f"detect {f.detect_s:.1f}s, restart {_s(f.restart_s)}, restore {_s(f.restore_s)}, "
-            f"restored step {f.restored_step}, recomputed {steps if steps is not None else '?'} "
-            "step(s)"
-        )
+            f"  {i}. {what} of rank(s) {sorted(set(r for r in f.ranks if r is not None))}, "
+            f"{parts}; training again {_s(f.resume_s and f.resume_s + f.detect_s)} after it; "
+            f"restored step {f.restored_step}, recomputed "
+            f"{steps if steps is not None else '?'} step(s)"
+        )  # fmt: skip
     step = f"{report.step_s * 1000:.1f} ms" if report.step_s else "unknown"
     lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s in all")
-    if report.wall_s > 0:
-        lines.append(
-            f"lost {report.lost_s():.1f}s of {report.wall_s:.1f}s: effective training time "
-            f"{100 * (1 - report.lost_s() / report.wall_s):.1f}%"
-        )
+    effective = report.effective()
+    if effective is not None:
+        lines.append(f"lost {report.lost_s():.1f}s of {report.wall_s:.1f}s: effective training "
+                     f"time {100 * effective:.1f}%")  # fmt: skip
     return "\n".join(lines)
 
 
 def _s(v: float | None) -> str:
-    return "?" if v is None else f"{v:.1f}s"
+    return "?" if v is None else f"{v:.2f}s"
 
 
 def _num(v: object) -> float:

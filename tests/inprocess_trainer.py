@@ -5,8 +5,13 @@ one. ``FT_FAULTS``: ``kind:rank:step`` items, comma-separated, each injected onc
 marker in ``FT_MARKS``) right after that rank saves that step: ``kill`` (SIGKILL), ``stop``
 (SIGSTOP), ``raise`` (a Python exception in that rank's training function). Every time
 ``train`` starts, each rank prints ``restored <rank> <step|None> pid=<pid>``; when it ends,
-``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=...``, what the tests compare
+``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=... groups=...``, what the tests compare
 across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
+
+For a long run (``benchmarks/recovery.py --effective``): ``FT_STEP_S`` seconds of simulated
+compute per step, and ``FT_EVERY`` seconds: the n-th fault of ``FT_SCHEDULE``
+(``kind:rank,...``, cycled) is injected once ``n x FT_EVERY`` seconds have passed since
+``FT_T0`` (an epoch time every node shares).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,12 +39,28 @@ def faults() -> dict[tuple[int, int], str]:
     return out
 
 
+def scheduled(rank: int) -> tuple[str, str] | None:
+    """The fault of ``FT_SCHEDULE`` due now for this rank, and its mark."""
+    every = float(os.environ.get("FT_EVERY", "0"))
+    if every <= 0:
+        return None
+    plan = [item.split(":") for item in os.environ["FT_SCHEDULE"].split(",")]
+    n = int((time.time() - float(os.environ["FT_T0"])) // every)
+    if n < 1:
+        return None
+    kind, victim = plan[(n - 1) % len(plan)]
+    return (kind, f"{kind}-{victim}-at-{n}") if int(victim) == rank else None
+
+
 def inject(rank: int, step: int, planned: dict) -> None:
-    kind = planned.get((rank, step))
+    kind, mark = planned.get((rank, step)), f"{planned.get((rank, step))}-{rank}-{step}"
     if kind is None:
-        return
+        due = scheduled(rank)
+        if due is None:
+            return
+        kind, mark = due
     try:  # once per job, whatever the recoveries and restarts
-        (Path(os.environ["FT_MARKS"]) / f"{kind}-{rank}-{step}").touch(exist_ok=False)
+        (Path(os.environ["FT_MARKS"]) / mark).touch(exist_ok=False)
     except FileExistsError:
         return
     if kind == "kill":
@@ -53,8 +75,9 @@ def usage() -> str:
     status = Path("/proc/self/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     fds = len(os.listdir("/proc/self/fd"))
+    groups = len(dist.distributed_c10d._world.pg_map)  # the process groups this process holds
     return (f"rss_kb={fields['VmRSS'].split()[0]} threads={fields['Threads'].strip()} "
-            f"fds={fds}")  # fmt: skip
+            f"fds={fds} groups={groups}")  # fmt: skip
 
 
 def main() -> None:
@@ -64,6 +87,7 @@ def main() -> None:
     state = {"model": model, "optim": opt}
     ckpt = Checkpointer()
     planned = faults()
+    step_s = float(os.environ.get("FT_STEP_S", "0"))
     rounds = []
 
     def train() -> None:
@@ -73,6 +97,7 @@ def main() -> None:
         sys.stdout.write(f"restored {rank} {restored} pid={os.getpid()} {usage()}\n")
         sys.stdout.flush()
         for step in range(0 if restored is None else restored + 1, STEPS):
+            time.sleep(step_s)  # a real step's compute, before its collectives
             train_step(model, opt, rank, step)
             ckpt.save(step, state)
             inject(rank, step, planned)

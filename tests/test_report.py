@@ -1,0 +1,107 @@
+"""``flashckpt report`` over in-process recoveries: each fault's time split into detect, abort,
+rendezvous, replacement and restore, a fallback shown as the restart it became, and the
+effective training time of the whole run."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashckpt.report import render, summarize
+
+T0 = 1000.0
+
+
+def timeline(*rows: tuple) -> list[dict]:
+    return [{"time": T0 + t, "kind": kind, **fields} for t, kind, fields in rows]
+
+
+def closed(t: float, rank: int) -> tuple:
+    return (t, "closed", {"rank": rank, "save_stall_s": 0.5, "step_s": 0.1})
+
+
+def test_a_killed_rank_recovered_in_process_is_split_into_its_parts():
+    events = timeline(
+        (0, "launcher_started", {}),
+        (10.0, "restored", {"rank": 0, "step": None, "seconds": 0.01}),  # the first start
+        # Rank 1 died 0.05 s after its last heartbeat: peers notice first, then its launcher.
+        (20.05, "inprocess_fault", {"rank": 0, "own": False, "step": 99}),
+        (20.06, "replacement_started", {"rank": 1, "lost_pid": 41, "pid": 51, "round": 1}),
+        (20.20, "worker_exited", {"rank": 1, "worker_pid": 41, "step": 100, "silent_s": 0.2}),
+        (20.21, "inprocess_fault", {"rank": 2, "own": False, "step": 100}),
+        (20.25, "inprocess_left", {"rank": 0, "abort_s": 0.2}),
+        (20.30, "inprocess_left", {"rank": 2, "abort_s": 0.09}),
+        (20.70, "inprocess_joined", {"rank": 0, "rendezvous_s": 0.45}),
+        (20.70, "inprocess_joined", {"rank": 2, "rendezvous_s": 0.4}),
+        (20.72, "inprocess_recovered", {"ranks": [1], "replacement_s": 0.66}),
+        (20.80, "restored", {"rank": 0, "step": 100, "seconds": 0.08}),
+        (20.85, "restored", {"rank": 1, "step": 100, "seconds": 0.1}),
+        closed(60, 0), closed(60, 1), (60.0, "launcher_exited", {}),
+    )  # fmt: skip
+    report = summarize(events)
+    (f,) = report.failures
+    assert (f.kind, f.mode, f.ranks, f.restored_step) == ("exit", "in-process", [1], 100)
+    assert f.detect_s == pytest.approx(0.05)  # last heartbeat 20.0, first reaction 20.05
+    assert (f.abort_s, f.rendezvous_s, f.replacement_s, f.restore_s) == (0.2, 0.45, 0.66, 0.1)
+    assert f.resume_s == pytest.approx(0.8)  # from the first reaction to the last restore
+    assert f.recomputed_steps() == 1
+    assert report.lost_s() == pytest.approx(1.0 + 0.05 + 0.8 + 0.1)
+    text = render(report)
+    assert "exit of rank(s) [1], in-process: detect 0.05s, abort 0.20s, rendezvous 0.45s, " \
+           "replacement 0.66s, restore 0.10s; training again 0.85s after it" in text  # fmt: skip
+    assert report.effective() == pytest.approx(1 - 1.95 / 60)
+    assert f"effective training time {100 * report.effective():.1f}%" in text
+
+
+def test_an_exception_hangs_and_fallbacks_each_count_as_one_failure():
+    events = timeline(
+        (0, "launcher_started", {}),
+        # An exception: detected where it is raised, every rank rolls back in place.
+        (10.0, "inprocess_fault", {"rank": 2, "own": True, "step": 50}),
+        (10.1, "inprocess_fault", {"rank": 0, "own": False, "step": 50}),
+        (10.2, "inprocess_left", {"rank": 2, "abort_s": 0.15}),
+        (10.5, "inprocess_joined", {"rank": 0, "rendezvous_s": 0.3}),
+        (10.6, "restored", {"rank": 0, "step": 50, "seconds": 0.05}),
+        (10.6, "restored", {"rank": 2, "step": 50, "seconds": 0.06}),
+        # A hang: the watchdog kills rank 3 and a standby takes it; its exit is the hang's.
+        (30.0, "hang_detected", {"rank": 3, "worker_pid": 7, "silent_s": 3.0, "step": 70}),
+        (30.1, "replacement_started", {"rank": 3, "lost_pid": 7, "pid": 8, "round": 2}),
+        (30.2, "worker_exited", {"rank": 3, "worker_pid": 7, "step": 70, "silent_s": 3.2}),
+        (30.3, "inprocess_fault", {"rank": 0, "own": False, "step": 70}),
+        (30.9, "inprocess_recovered", {"ranks": [3], "replacement_s": 0.8}),
+        (31.0, "restored", {"rank": 3, "step": 69, "seconds": 0.07}),
+        # A kill whose replacement dies too: in-process recovery gives way to a restart.
+        (40.0, "replacement_started", {"rank": 1, "lost_pid": 9, "pid": 10, "round": 3}),
+        (40.2, "worker_exited", {"rank": 1, "worker_pid": 9, "step": 80, "silent_s": 0.3}),
+        (41.0, "inprocess_fallback", {"reason": "a second fault during recovery"}),
+        (41.1, "worker_exited", {"rank": 0, "worker_pid": 11, "step": 80, "silent_s": 1.0}),
+        (47.0, "restored", {"rank": 0, "step": 80, "seconds": 0.5}),
+        closed(100, 0), (100.0, "launcher_exited", {}),
+    )  # fmt: skip
+    report = summarize(events)
+    exc, hang, fell = report.failures
+    assert (exc.kind, exc.mode, exc.ranks, exc.detect_s) == ("exception", "in-process", [2], 0)
+    assert exc.resume_s == pytest.approx(0.6) and exc.recomputed_steps() == 1
+    assert (hang.kind, hang.mode, hang.ranks) == ("hang", "in-process", [3])
+    assert hang.detect_s == pytest.approx(3.0) and hang.replacement_s == 0.8
+    assert hang.recomputed_steps() == 2  # restored 69 with step 70 saved by some rank
+    assert (fell.kind, fell.mode, fell.ranks) == ("exit", "restart", [1])
+    assert fell.fallback == "a second fault during recovery"
+    assert fell.detect_s == pytest.approx(0.1)  # last heartbeat 39.9, replaced at 40.0
+    assert fell.resume_s == pytest.approx(7.0)
+    text = render(report)
+    assert "exception of rank(s) [2], in-process: detect 0.00s" in text
+    assert "restart (in-process fell back: a second fault during recovery)" in text
+
+
+def test_events_that_are_not_failures_change_nothing():
+    events = timeline(
+        (0, "launcher_started", {}),
+        (1, "restored", {"rank": 0, "step": None, "seconds": 0.01}),
+        (2, "inprocess_left", {"rank": 0, "abort_s": "x"}),  # stray fields of a torn log
+        (3, "inprocess_recovered", {"replacement_s": None}),
+        (4, "worker_finished", {"rank": 0, "worker_pid": 1}),
+        closed(10, 0),
+    )  # fmt: skip
+    report = summarize(events)
+    assert report.failures == [] and report.lost_s() == pytest.approx(0.5)
+    assert "0 failure(s)" in render(report)
