@@ -200,9 +200,11 @@ def main() -> None:
           f"{args.rounds} (seconds; hang floor {args.hang_floor:g}s)")  # fmt: skip
     cols = ("again", "detect", "abort", "rendezvous", "replacement", "restart", "restore")
     print(f"{'case':<7}{'policy':<12}" + "".join(f"{c:>12}" for c in cols) + f"{'steps lost':>12}")
+    unused = {"in-process": {"restart"}, "restart": {"abort", "rendezvous", "replacement"}}
     for (policy, case), runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{case:<7}{policy:<12}" + "".join(f"{med[c]:>12.2f}" for c in cols)
+        cells = ("-" if c in unused[policy] else f"{med[c]:.2f}" for c in cols)
+        print(f"{case:<7}{policy:<12}" + "".join(f"{c:>12}" for c in cells)
               + f"{med['steps']:>12.0f}")  # fmt: skip
     for case in cases:
         fast = statistics.median(r["again"] for r in rows["in-process", case])

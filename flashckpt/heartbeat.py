@@ -219,6 +219,8 @@ def read(path: Path) -> Beat | None:
 # ---- per-process plumbing: the optimizer-step hook and the stack dump ----------------------
 
 _live: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
 def last_step() -> int | None:
     """The newest step a live heartbeat of this process carries (None before any)."""
     steps = [hb._step for hb in list(_live) if hb._step >= 0]

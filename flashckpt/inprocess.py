@@ -13,8 +13,9 @@ process with ``EXIT_GAVE_UP``, and the launcher falls back to restarting every w
 
 Gloo's collectives fail within milliseconds when a peer's connections close. NCCL's do not:
 a collective blocked on a dead peer waits out its timeout. Under every backend but gloo each
-rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts its own process group as soon as the round
-has moved on (a rank left it, or the launcher handed out a replacement), which releases it.
+rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts its own
+process group as soon as the round has moved on (a rank left it, or the launcher handed out a
+replacement), which releases it.
 
 Under plain torchrun, or ``flashckpt-run`` without ``FLASHCKPT_RESTART_POLICY=in-process``,
 it is ``init_process_group()``, ``train()``, ``destroy_process_group()``.
@@ -84,6 +85,14 @@ def run_recoverable(train: Callable[[], Any], backend: str | None = None,
         rounds.leave(finished=False)
 
 
+def watch_setting() -> bool | None:
+    """``FLASHCKPT_RECOVERY_WATCH``: whether every round runs a RoundWatch; None for ``auto``
+    (the default: under every backend but gloo)."""
+    if str(config.setting("recovery_watch", None, "auto")).lower() == "auto":
+        return None
+    return config.setting_bool("recovery_watch")
+
+
 def namespace(env: Mapping[str, str]) -> str:
     """The store keys of one rendezvous round's workers: the same on every node, new with
     every restart of the worker group (whose rank 0 serves a new store on a new port)."""
@@ -119,14 +128,7 @@ class Rounds:
         self._address = (host, port)
         self._watch: RoundWatch | None = None
         self._watch_client: dist.TCPStore | None = None
-
-    def _watching(self) -> bool:
-        """Whether this round runs a RoundWatch: ``FLASHCKPT_RECOVERY_WATCH``, ``auto``
-        (default: every backend but gloo) or a boolean."""
-        value = str(config.setting("recovery_watch", None, "auto")).lower()
-        if value == "auto":
-            return dist.get_backend() != "gloo"
-        return config.setting_bool("recovery_watch")
+        self._watch_on = watch_setting()
 
     def _watch_store(self) -> dist.TCPStore:
         """A store client of the watch's own (one per process), so that it never waits on a
@@ -160,7 +162,8 @@ class Rounds:
             dist.barrier()  # formed: every rank of the round is in it
         except Exception as exc:  # a rank died between arriving and connecting
             self._give_up(str(exc))
-        if self._watching():
+        watch = self._watch_on if self._watch_on is not None else dist.get_backend() != "gloo"
+        if watch:
             self._watch = RoundWatch(self._watch_store(), self.key("round"), self.round,
                                      dist.group.WORLD.abort)  # fmt: skip
             self._watch.start()

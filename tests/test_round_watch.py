@@ -12,7 +12,7 @@ import torch.distributed as dist
 from conftest import wait_for
 
 from flashckpt.errors import ConfigError
-from flashckpt.inprocess import Rounds, RoundWatch
+from flashckpt.inprocess import RoundWatch, watch_setting
 
 KEY = "flashckpt/ns/round"
 
@@ -74,16 +74,17 @@ def test_a_store_that_goes_away_ends_the_watch():
     assert calls == [] and watch.stop() is False
 
 
-@pytest.mark.parametrize(("value", "backend", "expected"),
-                         [("auto", "gloo", False), ("auto", "nccl", True), ("1", "gloo", True),
-                          ("off", "nccl", False)])  # fmt: skip
-def test_where_the_watch_runs(monkeypatch, value, backend, expected):
+@pytest.mark.parametrize(("value", "expected"),
+                         [("auto", None), ("AUTO", None), ("1", True), ("on", True),
+                          ("off", False), ("0", False)])  # fmt: skip
+def test_the_watch_setting(monkeypatch, value, expected):
     monkeypatch.setenv("FLASHCKPT_RECOVERY_WATCH", value)
-    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
-    assert Rounds._watching(None) is expected
+    assert watch_setting() is expected
 
 
-def test_a_bad_watch_setting_names_itself(monkeypatch):
+def test_the_watch_is_auto_by_default_and_a_bad_setting_names_itself(monkeypatch):
+    monkeypatch.delenv("FLASHCKPT_RECOVERY_WATCH", raising=False)
+    assert watch_setting() is None
     monkeypatch.setenv("FLASHCKPT_RECOVERY_WATCH", "sometimes")
     with pytest.raises(ConfigError, match="FLASHCKPT_RECOVERY_WATCH"):
-        Rounds._watching(None)
+        watch_setting()
