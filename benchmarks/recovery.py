@@ -75,7 +75,7 @@ def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, di
                 "FLASHCKPT_NODE": f"node{node}", **common, **env, **node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         cmd = [str(BIN / launcher), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=3",
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=30",
                "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
@@ -161,7 +161,7 @@ def effective(args: argparse.Namespace, tmp: Path) -> None:
 
     step_s = args.step_ms / 1000
     steps = int(args.effective * 60 / (step_s + 0.03))  # about 30 ms of real step and save
-    for policy in ("in-process", "restart"):
+    for policy in args.policies.split(","):
         report = run_policy(policy, tmp, args.hang_floor, args.effective * 120 + 300,
                             FT_STEPS=str(steps), FT_STEP_S=str(step_s), FT_EVERY=str(args.every),
                             FT_SCHEDULE="kill:1,stop:3,raise:2", FT_T0=str(time.time()))  # fmt: skip
@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--effective", type=float, metavar="MINUTES")
     p.add_argument("--every", type=float, default=60.0)
     p.add_argument("--step-ms", type=float, default=100.0)
+    p.add_argument("--policies", default="in-process,restart", help="of --effective")
     args = p.parse_args()
     cases = args.cases.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="fc-recovery-"))

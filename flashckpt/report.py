@@ -16,7 +16,8 @@ training function raised. Its parts:
 - recomputed: the steps between the newest one a rank had saved and the one restored, plus
   the step in progress, at the job's typical step time.
 
-The save stall is the time ``save()`` blocked, over all saves.
+The save stall is the time ``save()`` blocked over all saves of a rank (summed over the
+processes that held it), of the rank that stalled longest: the ranks stall side by side.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class _Reader:
         self.replaced: set[int] = set()  # pids a standby replaced: their exit is that failure's
         self.peer_fault_at: float | None = None  # a peer's collective failing, cause unknown
         self.step_times: list[float] = []
+        self.stalls: dict[object, float] = {}  # rank -> its save stall, over its processes
 
     def current(self, at: float, kind: str, detect_s: float, step: int | None) -> Failure:
         """The open failure, or a new one if the last has resumed."""
@@ -201,7 +203,8 @@ class _Reader:
         f.resumed_at = max(f.resumed_at or t, t)
 
     def on_closed(self, e: dict, t: float) -> None:
-        self.report.save_stall_s += _num(e.get("save_stall_s"))
+        rank = e.get("rank")
+        self.stalls[rank] = self.stalls.get(rank, 0.0) + _num(e.get("save_stall_s"))
         if _num(e.get("step_s")) > 0:
             self.step_times.append(_num(e["step_s"]))
 
@@ -214,6 +217,8 @@ def summarize(events: list[dict]) -> Report:
     for e in events:
         reader.event(e)
     report.step_s = statistics.median(reader.step_times) if reader.step_times else None
+    # The ranks stall side by side: the job loses what its slowest rank lost.
+    report.save_stall_s = max(reader.stalls.values(), default=0.0)
     return report
 
 
@@ -237,7 +242,7 @@ def render(report: Report) -> str:
             f"{steps if steps is not None else '?'} step(s)"
         )  # fmt: skip
     step = f"{report.step_s * 1000:.1f} ms" if report.step_s else "unknown"
-    lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s in all")
+    lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s (the slowest rank's)")
     effective = report.effective()
     if effective is not None:
         lines.append(f"lost {report.lost_s():.1f}s of {report.wall_s:.1f}s: effective training "

@@ -35,7 +35,8 @@ def test_a_killed_rank_recovered_in_process_is_split_into_its_parts():
         (20.72, "inprocess_recovered", {"ranks": [1], "replacement_s": 0.66}),
         (20.80, "restored", {"rank": 0, "step": 100, "seconds": 0.08}),
         (20.85, "restored", {"rank": 1, "step": 100, "seconds": 0.1}),
-        closed(60, 0), closed(60, 1), (60.0, "launcher_exited", {}),
+        # Rank 1's save stall is its lost process's plus its replacement's: the slowest rank.
+        closed(20.0, 1), closed(60, 0), closed(60, 1), (60.0, "launcher_exited", {}),
     )  # fmt: skip
     report = summarize(events)
     (f,) = report.failures
@@ -44,6 +45,7 @@ def test_a_killed_rank_recovered_in_process_is_split_into_its_parts():
     assert (f.abort_s, f.rendezvous_s, f.replacement_s, f.restore_s) == (0.2, 0.45, 0.66, 0.1)
     assert f.resume_s == pytest.approx(0.8)  # from the first reaction to the last restore
     assert f.recomputed_steps() == 1
+    assert report.save_stall_s == pytest.approx(1.0)  # not the 1.5 s of all three closes
     assert report.lost_s() == pytest.approx(1.0 + 0.05 + 0.8 + 0.1)
     text = render(report)
     assert "exit of rank(s) [1], in-process: detect 0.05s, abort 0.20s, rendezvous 0.45s, " \
