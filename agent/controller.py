@@ -10,6 +10,11 @@ Which workers a detection kills: those that started before the failure. The rend
 a new round only once every old worker is gone, so a worker that started after the failure is
 already the restarted job and is left alone; times are converted to the controller's clock
 from the ages the agents report, so node clocks never have to agree.
+
+Built for thousands of nodes reporting every second (``benchmarks/scale.py`` measures it): a
+report costs the same whatever the number of nodes (global commits are kept by counters, see
+``commits.py``), nodes lost together are one detection, and an agent that keeps its report
+stream open (``Connect``) gets its kill orders pushed the moment they are decided.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +39,14 @@ from flashckpt import config, control
 from flashckpt.errors import ConfigError
 from flashckpt.events import EventLog
 
+from .commits import Coverage
+
 log = logging.getLogger(__name__)
 
 DEFAULT_NODE_TIMEOUT = 5.0
 DEFAULT_HEARTBEAT = 1.0
 _KEPT_DETECTIONS = 100
+ACK_EVERY = 10  # a report stream answers at least every this many reports
 
 
 @dataclass
@@ -53,11 +62,12 @@ class Node:
     agent_id: str
     last_seen: float
     workers: dict[int, Seen] = field(default_factory=dict)  # pid -> worker
-    tiers: list[pb.TierCommit] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # the tiers it reported, by URL
     ranks: frozenset[int] = frozenset()
     world_size: int = 0
     lost: bool = False
     kill: set[int] = field(default_factory=set)  # pids ordered killed, not yet gone
+    handled: set[int] = field(default_factory=set)  # pids of failures already seen
 
     def running(self) -> bool:
         return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
@@ -66,12 +76,12 @@ class Node:
 @dataclass
 class JobState:
     nodes: dict[str, Node] = field(default_factory=dict)
-    handled: set[tuple[str, int]] = field(default_factory=set)  # (node, pid) of failures seen
     # Workers that started before this failed with the round it ended: their deaths are its
     # consequences (killed by us, by the launcher, or by a broken collective), not new failures.
     round_failed_at: float = float("-inf")
     detections: list[tuple[float, pb.Detection]] = field(default_factory=list)
     commits: dict[str, tuple[int, int]] = field(default_factory=dict)  # url -> (gen, step)
+    coverage: dict[str, Coverage] = field(default_factory=dict)  # url -> what nodes hold
 
 
 class Controller:
@@ -85,6 +95,7 @@ class Controller:
         self.heartbeat = config.setting_float("heartbeat_interval", heartbeat, DEFAULT_HEARTBEAT,
                                               lo=0.05)  # fmt: skip
         self.jobs: dict[str, JobState] = {}
+        self.watchers: dict[tuple[str, str], Callable[[pb.ReportReply], None]] = {}
 
     def report(self, r: pb.NodeReport, now: float | None = None) -> pb.ReportReply:
         now = time.monotonic() if now is None else now
@@ -93,44 +104,64 @@ class Controller:
         if node is None or node.agent_id != r.agent_id:
             if node is not None and node.lost:
                 self._record("node_back", job=r.job, node=r.node, agent_id=r.agent_id)
-            node = job.nodes[r.node] = Node(r.agent_id, now, kill=node.kill if node else set())
+            old = node or Node("", now)
+            node = job.nodes[r.node] = Node(r.agent_id, now, kill=old.kill, handled=old.handled,
+                                            tiers=old.tiers)  # fmt: skip
         node.last_seen, node.lost = now, False
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
-        node.tiers, node.ranks, node.world_size = list(r.tiers), frozenset(r.ranks), r.world_size
+        node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.kill &= {pid for pid, s in node.workers.items() if s.worker.alive}
-        dead = [w for w in r.workers if not w.alive and (r.node, w.pid) not in job.handled]
+        node.handled &= node.workers.keys()  # a page gone is never reported again
+        dead = [w for w in r.workers if not w.alive and w.pid not in node.handled]
         for w in sorted(dead, key=lambda w: -w.silent_s):  # the first to go first
-            job.handled.add((r.node, w.pid))
+            node.handled.add(w.pid)
             if now - w.age_s < job.round_failed_at:
                 continue  # it went down with a round that already failed
-            self._detect(r.job, job, "worker_failed", r.node, w.rank, now - w.silent_s,
+            self._detect(r.job, job, "worker_failed", [r.node], w.rank, now - w.silent_s,
                          pid=w.pid, step=w.step, phase=w.phase)  # fmt: skip
-        self._update_commits(r.job, job)
-        return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat)
+        self._update_commits(r.job, job, r.node, node, r.tiers)
+        return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq)
+
+    def watch(self, job: str, node: str, deliver: Callable[[pb.ReportReply], None]) -> Callable:
+        """Have ``deliver`` called with the node's orders whenever a detection adds to them
+        (the stream of an agent that keeps one open). Returns the call that stops it."""
+        self.watchers[job, node] = deliver
+
+        def stop() -> None:
+            if self.watchers.get((job, node)) is deliver:
+                del self.watchers[job, node]
+
+        return stop
 
     def tick(self, now: float | None = None) -> None:
-        """Flag nodes whose agent went silent while their workers ran."""
+        """Flag nodes whose agent went silent while their workers ran; the nodes found in one
+        tick (a rack that lost power) are one detection."""
         now = time.monotonic() if now is None else now
         for name, job in self.jobs.items():
+            lost = []
             for node_name, node in job.nodes.items():
                 if node.lost or now - node.last_seen <= self.node_timeout or not node.running():
                     continue
                 node.lost = True
-                if node.last_seen < job.round_failed_at:
-                    continue  # its workers were already ordered killed with a failed round
-                ranks = sorted({s.worker.rank for s in node.workers.values()})
-                self._detect(name, job, "node_lost", node_name, -1, node.last_seen,
-                             silent_s=round(now - node.last_seen, 3), ranks=ranks)  # fmt: skip
+                lost.append((node.last_seen, node_name))
+            # Nodes silent since before the round failed: their workers were already ordered
+            # killed with it; the others are a new failure, dated by the first to go silent.
+            fresh = sorted(x for x in lost if x[0] >= job.round_failed_at)
+            if not fresh:
+                continue
+            ranks = sorted({s.worker.rank for _, n in fresh for s in job.nodes[n].workers.values()})
+            self._detect(name, job, "node_lost", [n for _, n in fresh], -1, fresh[0][0],
+                         silent_s=round(now - fresh[0][0], 3), ranks=ranks)  # fmt: skip
 
-    def _detect(self, name: str, job: JobState, kind: str, node: str, rank: int,
+    def _detect(self, name: str, job: JobState, kind: str, nodes: list[str], rank: int,
                 failed_at: float, **detail: object) -> None:  # fmt: skip
         # In-process recovery replaces a failed worker where it ran, keeping the others:
         # only a lost node (no launcher left to replace its ranks) restarts everyone.
         kills = self.policy == "restart" or (self.policy == "in-process" and kind == "node_lost")
         action = "kill" if kills else "recover" if self.policy == "in-process" else "notify"
         job.round_failed_at = max(job.round_failed_at, failed_at)
-        job.detections.append((time.monotonic(), pb.Detection(kind=kind, node=node, rank=rank,
-                                                              action=action)))  # fmt: skip
+        job.detections.append((time.monotonic(), pb.Detection(kind=kind, node=nodes[0],
+                                                              rank=rank, action=action)))  # fmt: skip
         del job.detections[:-_KEPT_DETECTIONS]
         ordered = {}
         if action == "kill":
@@ -140,29 +171,35 @@ class Controller:
                 if doomed - n.kill:
                     n.kill |= doomed
                     ordered[node_name] = sorted(doomed)
-        log.error("job %s: %s on node %s%s; %s", name, kind.replace("_", " "), node,
+                    if deliver := self.watchers.get((name, node_name)):
+                        deliver(
+                            pb.ReportReply(kill_pids=sorted(n.kill), heartbeat_s=self.heartbeat)
+                        )
+        where = nodes[0] if len(nodes) == 1 else f"{nodes[0]} and {len(nodes) - 1} more"
+        log.error("job %s: %s on node %s%s; %s", name, kind.replace("_", " "), where,
                   f" (rank {rank})" if rank >= 0 else "",
-                  f"killing the workers of the failed round: {ordered}" if ordered
+                  f"killing {sum(map(len, ordered.values()))} workers of the failed round on "
+                  f"{len(ordered)} nodes" if ordered
                   else "nothing left to kill" if action == "kill"
                   else f"policy {self.policy}: no kill")  # fmt: skip
-        self._record(kind, job=name, failed_node=node, rank=rank, action=action,
-                     ordered=ordered, **detail)  # fmt: skip
+        lost = {"nodes": nodes} if kind == "node_lost" else {}
+        self._record(kind, job=name, failed_node=nodes[0], rank=rank, action=action,
+                     ordered=ordered, **lost, **detail)  # fmt: skip
 
-    def _update_commits(self, name: str, job: JobState) -> None:
+    def _update_commits(self, name: str, job: JobState, node_name: str, node: Node,
+                        tiers: list[pb.TierCommit]) -> None:  # fmt: skip
         """A tier's step is committed globally once the nodes reporting it cover the world."""
-        by_url: dict[str, list[tuple[Node, pb.TierCommit]]] = {}
-        for n in job.nodes.values():
-            for t in n.tiers:
-                by_url.setdefault(t.url, []).append((n, t))
-        for url, held in by_url.items():
-            world = max(n.world_size for n, _ in held)
-            covered = frozenset().union(*(n.ranks for n, _ in held))
-            if world <= 0 or len(covered) < world or any(t.step < 0 for _, t in held):
-                continue
-            step = min((t.generation, t.step) for _, t in held)
-            if job.commits.get(url, (-1, -1)) < step:
-                job.commits[url] = step
-                self._record("global_commit", job=name, tier=url, step=step[1],
+        urls = {t.url for t in tiers}
+        for url in [u for u in node.tiers if u not in urls]:  # a tier the node no longer has
+            job.coverage[url].drop(node_name)
+        node.tiers = sorted(urls)
+        for t in tiers:
+            cover = job.coverage.setdefault(t.url, Coverage())
+            cover.update(node_name, (t.generation, t.step), node.ranks, node.world_size)
+            step = cover.committed()
+            if step is not None and job.commits.get(t.url, (-1, -1)) < step:
+                job.commits[t.url] = step
+                self._record("global_commit", job=name, tier=t.url, step=step[1],
                              generation=step[0])  # fmt: skip
 
     def status(self, name: str, now: float | None = None) -> pb.JobStatusReply:
@@ -194,14 +231,58 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.c = controller
 
     async def Report(self, request, context):
-        try:
-            config.validate_name("job", request.job)
-        except Exception as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await _check(request, context)
         return self.c.report(request)
+
+    async def Connect(self, request_iterator, context):
+        """Answer each report in order; between them, write the orders a detection pushes."""
+        outbox: asyncio.Queue[pb.ReportReply | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        watched: dict[tuple[str, str], Callable] = {}
+        last: list[tuple | None] = [None]  # the orders and heartbeat last written
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await _check(request, context)
+                    if (request.job, request.node) not in watched:
+                        for stop in watched.values():
+                            stop()
+                        watched.clear()
+                        watched[request.job, request.node] = self.c.watch(
+                            request.job,
+                            request.node,
+                            lambda r: loop.call_soon_threadsafe(outbox.put_nowait, r),
+                        )
+                    reply = self.c.report(request)
+                    # Answer when there is news (orders, a new heartbeat), and every tenth
+                    # report as a sign of life: half the messages of answering them all.
+                    said = (tuple(reply.kill_pids), reply.heartbeat_s)
+                    if said != last[0] or request.seq % ACK_EVERY == 0:
+                        last[0] = said
+                        outbox.put_nowait(reply)
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (reply := await outbox.get()) is not None:
+                await context.write(reply)
+            await reader  # raises what ended the stream (an abort), if anything
+        finally:
+            reader.cancel()
+            for stop in watched.values():
+                stop()
 
     async def JobStatus(self, request, context):
         return self.c.status(request.job)
+
+
+async def _check(request: pb.NodeReport, context) -> None:
+    try:
+        config.validate_name("job", request.job)
+    except Exception as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
@@ -217,14 +298,22 @@ class TokenAuth(grpc.aio.ServerInterceptor):
                 "FLASHCKPT_CONTROLLER_TOKEN (or _TOKEN_FILE)",
             )
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        # One refusal per kind of call, so a stream is refused as a stream.
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
 
     async def intercept_service(self, continuation, details):
         for key, value in details.invocation_metadata or ():
             got = value.encode() if isinstance(value, str) else value
             if key == "authorization" and hmac.compare_digest(got, self._want):
                 return await continuation(details)
-        return self._deny
+        handler = await continuation(details)
+        if handler is None:
+            return None  # not a method of ours: UNIMPLEMENTED, token or not
+        kind = (handler.request_streaming, handler.response_streaming)
+        return self._deny.get(kind, self._deny[False, False])
 
 
 async def start(

@@ -1,9 +1,11 @@
 """The node agent's side of the controller: report this node every heartbeat, carry out kills.
 
-Each round reads the job's heartbeat pages in shared memory (which workers run here, at which
-step and phase, and which died without closing) and the tiers' last commits, sends them to
-the controller, and terminates the workers the answer names: SIGTERM, then SIGKILL after a
-grace period; a stopped process gets SIGKILL at once (SIGTERM would wait for it to continue).
+The agent keeps one report stream open to the controller (``Connect``). Each round reads the
+job's heartbeat pages in shared memory (which workers run here, at which step and phase, and
+which died without closing) and the tiers' last commits and writes them to the stream; the
+replies name the workers to terminate, and the controller also pushes such orders the moment
+it decides them. A worker ordered killed gets SIGTERM, then SIGKILL after a grace period; a
+stopped process gets SIGKILL at once (SIGTERM would wait for it to continue).
 The controller is found through ``<run_dir>/<job>.controller`` each round, so an agent that
 outlived one launch follows the next. A controller that is down or refuses the token costs
 nothing but a warning: training never waits on it.
@@ -59,8 +61,9 @@ class Link:
         self._channel: grpc.aio.Channel | None = None
         self._killing: dict[int, asyncio.Task] = {}
         self._warned = ""
+        self._seq = 0
 
-    def report(self) -> pb.NodeReport:
+    def report(self, seq: int = 0) -> pb.NodeReport:
         j = self.job
         tiers = [
             pb.TierCommit(url=redact(w.state.url), shared=w.state.scope == "shared",
@@ -70,19 +73,23 @@ class Link:
         return pb.NodeReport(
             job=j.name, node=j.node, agent_id=self.agent_id, world_size=j.trainers.world_size,
             workers=workers(j.shm_dir, j.name), tiers=tiers, ranks=sorted(j.trainers.pids),
+            seq=seq,
         )  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await self.once()
+                await self.connected(stop)
             except Exception:  # the link must never take the agent down
                 log.exception("controller report failed")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.interval)
         await self._close()
 
-    async def once(self) -> None:
+    async def connected(self, stop: asyncio.Event) -> None:
+        """One report stream to the job's current controller: a report every heartbeat, kill
+        orders carried out as they arrive. Returns when the stream breaks, the controller file
+        names another controller, or ``stop``."""
         endpoint = Endpoint.load(self.run_dir, self.job.name)
         if endpoint != self._endpoint:
             await self._close()
@@ -93,24 +100,46 @@ class Link:
                          endpoint.address)  # fmt: skip
         if self._channel is None or endpoint is None:
             return
+        call = pb_grpc.ControllerStub(self._channel).Connect(metadata=endpoint.metadata())
+        orders = asyncio.create_task(self._orders(call))
+        stopping = asyncio.create_task(stop.wait())
         try:
-            reply = await pb_grpc.ControllerStub(self._channel).Report(
-                self.report(), metadata=endpoint.metadata(), timeout=max(2.0, self.interval)
-            )
-        except grpc.aio.AioRpcError as exc:
-            why = f"{exc.code().name}: {exc.details()}"
-            if why != self._warned:  # once per new reason, not every heartbeat
-                log.warning(
-                    "the controller at %s does not take reports (%s)", endpoint.address, why
-                )
-                self._warned = why
+            while not orders.done() and not stopping.done():
+                if Endpoint.load(self.run_dir, self.job.name) != endpoint:
+                    return  # the next call follows the new controller
+                self._seq += 1
+                await asyncio.wait_for(call.write(self.report(self._seq)), max(2.0, self.interval))
+                await asyncio.wait({orders, stopping}, timeout=self.interval,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            pass  # the stream broke: why is the orders task's to say
+        finally:
+            call.cancel()
+            stopping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await orders
+        self._warn(endpoint, orders)
+
+    async def _orders(self, call) -> None:
+        """Act on every reply of ``call``: answers to reports and orders pushed unasked."""
+        async for reply in call:
+            self._warned = ""
+            if reply.heartbeat_s > 0:
+                self.interval = min(reply.heartbeat_s, 30.0)
+            for pid in reply.kill_pids:
+                if pid not in self._killing or self._killing[pid].done():
+                    self._killing[pid] = asyncio.create_task(self.terminate(pid))
+
+    def _warn(self, endpoint: Endpoint, orders: asyncio.Task) -> None:
+        exc = None if orders.cancelled() else orders.exception()
+        if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() == grpc.StatusCode.CANCELLED:
+            if exc is not None:
+                log.warning("the controller link failed: %r", exc)
             return
-        self._warned = ""
-        if reply.heartbeat_s > 0:
-            self.interval = min(reply.heartbeat_s, 30.0)
-        for pid in reply.kill_pids:
-            if pid not in self._killing or self._killing[pid].done():
-                self._killing[pid] = asyncio.create_task(self.terminate(pid))
+        why = f"{exc.code().name}: {exc.details()}"
+        if why != self._warned:  # once per new reason, not every heartbeat
+            log.warning("the controller at %s does not take reports (%s)", endpoint.address, why)
+            self._warned = why
 
     async def terminate(self, pid: int) -> None:
         """SIGTERM ``pid`` if it is one of the job's workers here, SIGKILL after the grace

@@ -37,7 +37,7 @@ class TierCommit(_message.Message):
     def __init__(self, url: _Optional[str] = ..., shared: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeReport(_message.Message):
-    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks")
+    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks", "seq")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class NodeReport(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     agent_id: str
@@ -52,15 +53,18 @@ class NodeReport(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     tiers: _containers.RepeatedCompositeFieldContainer[TierCommit]
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    seq: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("kill_pids", "heartbeat_s")
+    __slots__ = ("kill_pids", "heartbeat_s", "seq")
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
-    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+    seq: int
+    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class JobStatusRequest(_message.Message):
     __slots__ = ("job",)

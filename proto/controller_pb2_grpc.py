@@ -39,6 +39,11 @@ class ControllerStub:
                 request_serializer=controller__pb2.NodeReport.SerializeToString,
                 response_deserializer=controller__pb2.ReportReply.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/flashckpt.controller.v1.Controller/Connect',
+                request_serializer=controller__pb2.NodeReport.SerializeToString,
+                response_deserializer=controller__pb2.ReportReply.FromString,
+                _registered_method=True)
         self.JobStatus = channel.unary_unary(
                 '/flashckpt.controller.v1.Controller/JobStatus',
                 request_serializer=controller__pb2.JobStatusRequest.SerializeToString,
@@ -57,6 +62,15 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request_iterator, context):
+        """The same as a stream an agent keeps open: each report is answered in order, and the
+        controller also writes an unasked reply (seq 0) to every node it orders to kill, the
+        moment it decides, instead of waiting for the node's next report.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def JobStatus(self, request, context):
         """What the controller knows of a job: nodes, detections, global commits. Read-only.
         """
@@ -69,6 +83,11 @@ def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
+                    request_deserializer=controller__pb2.NodeReport.FromString,
+                    response_serializer=controller__pb2.ReportReply.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
                     request_deserializer=controller__pb2.NodeReport.FromString,
                     response_serializer=controller__pb2.ReportReply.SerializeToString,
             ),
@@ -103,6 +122,33 @@ class Controller:
             request,
             target,
             '/flashckpt.controller.v1.Controller/Report',
+            controller__pb2.NodeReport.SerializeToString,
+            controller__pb2.ReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/flashckpt.controller.v1.Controller/Connect',
             controller__pb2.NodeReport.SerializeToString,
             controller__pb2.ReportReply.FromString,
             options,

@@ -135,6 +135,62 @@ def test_a_global_commit_needs_every_rank_of_the_job(events):
     assert [(e["tier"], e["step"]) for e in commits] == [("pfs:///ckpt", 5), ("pfs:///ckpt", 7)]
 
 
+def test_nodes_lost_together_are_one_detection(events):
+    """A rack going dark is one detection naming its nodes, not one per node."""
+    c = Controller(events, node_timeout=3, heartbeat=1)
+    for i in range(6):
+        c.report(report(f"n{i}", [worker(i, 100 + i, 60)]), now=100 + i / 10)
+    for i in range(3):  # the others keep reporting
+        c.report(report(f"n{i}", [worker(i, 100 + i, 63)]), now=103)
+    c.tick(now=103.6)
+    lost = [e for e in read_events(events.path) if e["kind"] == "node_lost"]
+    assert len(lost) == 1
+    assert lost[0]["nodes"] == ["n3", "n4", "n5"] and lost[0]["failed_node"] == "n3"
+    assert lost[0]["ordered"] == {f"n{i}": [100 + i] for i in range(6)}
+    assert lost[0]["ranks"] == [3, 4, 5]
+
+
+def test_a_global_commit_follows_nodes_that_leave_a_tier_or_come_back(events):
+    c = Controller(events)
+    pfs = pb.TierCommit(url="pfs:///ckpt", shared=True, step=4, generation=0)
+    s3 = pb.TierCommit(url="s3://b/ckpt", shared=True, step=4, generation=0)
+    c.report(report("a", [], tiers=[pfs, s3], ranks=[0, 1], world=4), now=1)
+    c.report(report("b", [], tiers=[pfs], ranks=[2, 3], world=4), now=1)
+    assert {g.url: g.step for g in c.status(JOB).commits} == {"pfs:///ckpt": 4}
+    # b's agent restarts and now reports s3 too, not pfs: pfs stays at what it had.
+    s3_b = pb.TierCommit(url="s3://b/ckpt", shared=True, step=6, generation=0)
+    c.report(report("b", [], tiers=[s3_b], ranks=[2, 3], world=4, agent="b-2"), now=2)
+    assert {g.url: g.step for g in c.status(JOB).commits} == {"pfs:///ckpt": 4,
+                                                             "s3://b/ckpt": 4}  # fmt: skip
+    # A newer generation with a step not yet committed on one node holds the commit back.
+    none_yet = pb.TierCommit(url="s3://b/ckpt", shared=True, step=-1, generation=1)
+    c.report(report("a", [], tiers=[none_yet], ranks=[0, 1], world=4), now=3)
+    c.report(report("b", [], tiers=[pb.TierCommit(url="s3://b/ckpt", step=9, generation=1)],
+                    ranks=[2, 3], world=4), now=3)  # fmt: skip
+    assert {g.url: g.step for g in c.status(JOB).commits}["s3://b/ckpt"] == 4
+    c.report(report("a", [], tiers=[pb.TierCommit(url="s3://b/ckpt", step=8, generation=1)],
+                    ranks=[0, 1], world=4), now=4)  # fmt: skip
+    got = {g.url: (g.generation, g.step) for g in c.status(JOB).commits}
+    assert got == {"pfs:///ckpt": (0, 4), "s3://b/ckpt": (1, 8)}
+
+
+def test_coverage_counts_each_rank_once_however_many_nodes_claim_it():
+    from flashckpt.agent.commits import Coverage
+
+    cov = Coverage()
+    cov.update("a", (0, 5), frozenset({0, 1}), 4)
+    cov.update("b", (0, 7), frozenset({1, 2}), 4)
+    assert cov.committed() is None  # rank 3 missing
+    cov.update("c", (0, 6), frozenset({3}), 4)
+    assert cov.committed() == (0, 5)
+    cov.update("a", (0, 9), frozenset({0, 1}), 4)
+    assert cov.committed() == (0, 6)
+    cov.drop("a")
+    assert cov.committed() is None and dict(cov.ranks) == {1: 1, 2: 1, 3: 1}
+    cov.update("a", (0, 9), frozenset({0}), 8)  # a larger world now: ranks 4-7 missing
+    assert cov.committed() is None
+
+
 def test_the_controller_state_is_rebuilt_from_reports(events):
     """A restarted controller learns the job from the next reports: a failure that is still
     on a page is detected, and only workers older than it are killed."""
@@ -178,6 +234,60 @@ def test_only_a_caller_with_the_token_is_heard(served):
             call(address, wrong)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "FLASHCKPT_CONTROLLER_TOKEN" in err.value.details()
+
+
+def connect(address: str, token: str, reports: list[pb.NodeReport], until) -> list:
+    """Open a report stream, write ``reports``, read replies until ``until(replies)``."""
+
+    async def go() -> list:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.ControllerStub(channel).Connect(
+                metadata=(("authorization", f"Bearer {token}"),)
+            )
+            for r in reports:
+                await call.write(r)
+            got = []
+            async for reply in call:
+                got.append(reply)
+                if until(got):
+                    break
+            call.cancel()
+            return got
+
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def test_a_report_stream_is_answered_and_gets_orders_pushed(served):
+    """Each report of a stream is answered when it has news (and every tenth as a sign of
+    life), and a detection pushes the node's kill order at once, between its reports."""
+    thread, address = served
+    c = thread.controller
+    first = report("a", [worker(0, 100, 60)])
+    first.seq = 1
+    more = [report("a", [worker(0, 100, 60)]) for _ in range(10)]
+    for i, r in enumerate(more):
+        r.seq = i + 2
+
+    def fail_b_once_a_is_heard(got: list) -> bool:
+        if len(got) == 1:  # fail a worker elsewhere, from the controller's own loop
+            thread._loop.call_soon_threadsafe(
+                c.report, report("b", [worker(1, 200, 60, alive=False)])
+            )
+        return any(list(r.kill_pids) == [100] for r in got)
+
+    replies = connect(address, TOKEN, [first], fail_b_once_a_is_heard)
+    assert replies[0].seq == 1 and replies[0].heartbeat_s > 0
+    assert [(r.seq, list(r.kill_pids)) for r in replies[1:]] == [(0, [100])]  # pushed unasked
+    replies = connect(address, TOKEN, [first, *more], lambda got: len(got) == 2)
+    assert [r.seq for r in replies] == [1, 10]  # nothing new in 2-9: one sign of life at 10
+
+
+def test_a_report_stream_without_the_token_is_refused(served):
+    _, address = served
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        connect(address, "x" * 32, [report("a", [])], lambda got: True)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "FLASHCKPT_CONTROLLER_TOKEN" in err.value.details()
 
 
 def test_a_second_controller_cannot_take_the_same_address(served, events):
