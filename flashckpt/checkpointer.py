@@ -99,6 +99,7 @@ class Checkpointer:
         self._no_heartbeat = False
         self._events = EventLog.from_env()  # set by flashckpt-run
         self._save_stall = 0.0  # seconds save() blocked, over all saves
+        self._saves = 0
         self._restored_from: str | None = None
 
     # ---- public API ------------------------------------------------------------------
@@ -135,6 +136,7 @@ class Checkpointer:
             if beat is not None:
                 beat.progress(step)
             self._save_stall += time.perf_counter() - began
+            self._saves += 1
 
     def _snapshot(self, step: int, state: Mapping[str, Any], layout: Layout, leaves: list[Leaf],
                   manifest: Manifest, raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
@@ -328,7 +330,8 @@ class Checkpointer:
             return
         if self._events is not None:
             self._events.record("closed", rank=self.rank, last_saved=self._last_saved,
-                                save_stall_s=self._save_stall, step_s=beat.typical_step_s())  # fmt: skip
+                                save_stall_s=self._save_stall, saves=self._saves,
+                                step_s=beat.typical_step_s())  # fmt: skip
         beat.close()
 
     def _holds_nothing(self) -> bool:

@@ -63,6 +63,7 @@ class Report:
     failures: list[Failure] = field(default_factory=list)
     step_s: float | None = None
     save_stall_s: float = 0.0
+    stall_per_save_s: float | None = None  # the slowest rank's, when the logs count saves
 
     def lost_s(self) -> float:
         lost = self.save_stall_s
@@ -80,6 +81,7 @@ class Report:
         return {
             "wall_s": self.wall_s, "lost_s": self.lost_s(), "step_s": self.step_s,
             "effective": self.effective(), "save_stall_s": self.save_stall_s,
+            "stall_per_save_s": self.stall_per_save_s,
             "failures": [{**f.__dict__, "resume_s": f.resume_s,
                           "recomputed_steps": f.recomputed_steps()} for f in self.failures],
         }  # fmt: skip
@@ -99,6 +101,7 @@ class _Reader:
         self.peer_fault_at: float | None = None  # a peer's collective failing, cause unknown
         self.step_times: list[float] = []
         self.stalls: dict[object, float] = {}  # rank -> its save stall, over its processes
+        self.saves: dict[object, int] = {}  # rank -> its saves, over its processes
 
     def current(self, at: float, kind: str, detect_s: float, step: int | None) -> Failure:
         """The open failure, or a new one if the last has resumed."""
@@ -205,6 +208,7 @@ class _Reader:
     def on_closed(self, e: dict, t: float) -> None:
         rank = e.get("rank")
         self.stalls[rank] = self.stalls.get(rank, 0.0) + _num(e.get("save_stall_s"))
+        self.saves[rank] = self.saves.get(rank, 0) + (_int(e.get("saves")) or 0)
         if _num(e.get("step_s")) > 0:
             self.step_times.append(_num(e["step_s"]))
 
@@ -219,6 +223,9 @@ def summarize(events: list[dict]) -> Report:
     report.step_s = statistics.median(reader.step_times) if reader.step_times else None
     # The ranks stall side by side: the job loses what its slowest rank lost.
     report.save_stall_s = max(reader.stalls.values(), default=0.0)
+    slowest = max(reader.stalls, key=reader.stalls.__getitem__, default=None)
+    if reader.saves.get(slowest):
+        report.stall_per_save_s = report.save_stall_s / reader.saves[slowest]
     return report
 
 

@@ -107,3 +107,98 @@ def test_events_that_are_not_failures_change_nothing():
     report = summarize(events)
     assert report.failures == [] and report.lost_s() == pytest.approx(0.5)
     assert "0 failure(s)" in render(report)
+
+
+# ---- the projection (--project) ----------------------------------------------------------
+
+
+def project(*argv: str, events: list[dict] | None = None):
+    import argparse
+
+    from flashckpt import projection
+    from flashckpt.cli import report as cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--project", *argv])
+    return projection.build(summarize(events) if events else None, args)
+
+
+def test_the_projection_is_the_model_worked_by_hand():
+    m = project("--gpus", "8192", "--step-s", "2", "--stall-s", "0.02", "--save-every", "2",
+                "--restart-s", "100", "--inprocess-s", "3", "--in-place", "0.5",
+                "--detect-exit-s", "1", "--hang-timeout-s", "20", "--node-timeout-s", "5",
+                "--recomputed", "1.5", "--mix", "exit=2,hang=1,node=1")  # fmt: skip
+    rate = 419 / (54 * 24) / 2 / 3600  # per second: half Llama 3's GPUs, half its rate
+    mix = {"exit": 0.5, "hang": 0.25, "node": 0.25}
+    detect = {"exit": 1, "hang": 20, "node": 5.25}
+    stall = 0.02 / (2 * 2)
+    for policy, recover in (
+        ("restart", {"exit": 100, "hang": 100, "node": 100}),
+        # Half the exits and hangs recover in place; the others fail that attempt, then
+        # restart; a lost node always restarts.
+        ("in-process", {"exit": 3 + 50, "hang": 3 + 50, "node": 100}),
+    ):
+        lost = sum(rate * mix[k] * (detect[k] + recover[k] + 1.5 * 2) for k in mix)
+        got = m.project(policy)
+        assert got["save stall"] == pytest.approx(stall)
+        assert got["recovery"] == pytest.approx(sum(rate * mix[k] * recover[k] for k in mix))
+        assert got["effective"] == pytest.approx((1 - lost) * (1 - stall))
+    assert m.project("in-process")["effective"] > m.project("restart")["effective"]
+
+
+def test_the_projection_takes_its_parts_from_the_logs_and_names_their_sources():
+    events = timeline(
+        (0, "launcher_started", {}),
+        (10.0, "restored", {"rank": 0, "step": None, "seconds": 0.01}),
+        (20.2, "worker_exited", {"rank": 1, "worker_pid": 41, "step": 100, "silent_s": 0.2}),
+        (27.2, "restored", {"rank": 0, "step": 99, "seconds": 0.5}),
+        (27.2, "restored", {"rank": 1, "step": 99, "seconds": 0.5}),
+        (60, "closed", {"rank": 0, "save_stall_s": 0.5, "saves": 100, "step_s": 0.25}),
+        (60, "closed", {"rank": 1, "save_stall_s": 0.8, "saves": 100, "step_s": 0.25}),
+        (60.0, "launcher_exited", {}),
+    )  # fmt: skip
+    m = project("--restart-s", "40", events=events)
+    assert (m.step_s.value, m.step_s.source) == (0.25, "measured")
+    assert (m.stall_s.value, m.stall_s.source) == (pytest.approx(0.008), "measured")
+    assert (m.detect["exit"].value, m.detect["exit"].source) == (pytest.approx(0.2), "measured")
+    assert m.recomputed.value == 2 and m.recomputed.source == "measured"
+    assert (m.recover["restart"].value, m.recover["restart"].source) == (40, "given")
+    assert m.recover["in-process"].source.startswith("default")  # no in-process recovery ran
+    from flashckpt import projection
+
+    text = projection.render(m)
+    assert "save stall 8.0 ms a save (measured)" in text and "target 98.8%" in text
+    assert "recover, restart: 40.00s (given)" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--mix", "exit=1,disk=1"], "'disk' is not one of exit, hang, node"),
+    (["--mix", "exit=0"], "add up to 0"),
+    (["--in-place", "1.5"], "not in [0, 1]"),
+    (["--gpus", "0"], "not in [1,"),
+    (["--step-s", "fast"], "'fast' is not a number"),
+])  # fmt: skip
+def test_the_cli_refuses_bad_projection_options(argv, says):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "flashckpt.cli", "report", "--project", *argv],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and says in run.stderr, run.stderr
+
+
+def test_the_cli_projects_without_logs_and_asks_for_them_otherwise():
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "flashckpt.cli", "report", "--project", "--json",
+                          "--gpus", "16384"], capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["interruptions_per_hour"] == pytest.approx(419 / (54 * 24))
+    assert set(doc["projection"]) == {"restart", "in-process"} and doc["target"] == 0.988
+    run = subprocess.run([sys.executable, "-m", "flashckpt.cli", "report"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode != 0 and "--project" in run.stderr
