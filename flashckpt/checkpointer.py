@@ -419,7 +419,8 @@ class Checkpointer:
         """Restore the newest step every rank can get, each rank from its fastest source, and
         set the branch the next saves go to."""
         sources = [MemorySource(self._pair, self.verify, self._prep.pinner.pinned)]
-        sources += [TierSource(url, self.job, self.rank, self.verify) for url in self.tiers]
+        sources += [TierSource(url, self.job, self.rank, self.verify, together=True)
+                    for url in self.tiers]  # fmt: skip
         got = restore_agreed(state, sources, step, allow, opts, self.job)
         if got.source is not None:
             log.info("restored step %d of rank %d from %s", got.step, self.rank, got.source)

@@ -7,9 +7,11 @@ newest one every rank holds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _world() -> int:
@@ -40,6 +42,28 @@ def gather(value: object) -> list[object]:
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def from_first(compute: Callable[[], T]) -> T:
+    """``compute()`` as the first rank returns it, on every rank: only rank 0 calls it (a
+    listing of a shared tier, say, that every rank would otherwise make at once). What it
+    raises there is raised on every rank."""
+    if _world() == 1:
+        return compute()
+    import torch.distributed as dist
+
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", compute())
+        except Exception as exc:  # sent, so that no rank waits for a result that never comes
+            box[0] = ("error", (type(exc).__name__, str(exc)))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]  # type: ignore[misc]
+    if status == "error":
+        kind, message = value  # type: ignore[misc]
+        raise _same_kind(kind, f"rank 0 failed: {message}")
+    return value  # type: ignore[return-value]
 
 
 def newest_common(steps: Iterable[int]) -> int | None:

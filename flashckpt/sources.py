@@ -182,49 +182,61 @@ def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
 
 
 class TierSource:
-    def __init__(self, url: str, job: str, rank: int, verify: bool):
+    """A tier's copies of this rank's steps. With ``together`` (a restore, where every rank
+    asks at once), a tier every node shares is listed by rank 0 alone and the listing sent to
+    the others: one listing per job instead of one per rank, which at thousands of ranks is
+    what a store throttles."""
+
+    def __init__(self, url: str, job: str, rank: int, verify: bool, together: bool = False):
+        from .storage_tiers import parse_spec
         from .storage_tiers.registry import redact
 
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials
         self.world = group.world_size()
+        self.together = together and parse_spec(url).scope.value == "shared"
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
+
+    def _listing(self) -> tier_io.Listing | None:
+        try:
+            return run_with_tier(self.url, lambda tier: tier_io.list_steps(tier, self.job))
+        except Exception as exc:
+            # Whatever keeps a tier from being listed, the restore goes on without it: raising
+            # here on one rank would leave the others waiting in the step agreement.
+            log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
+            return None
 
     def snapshots(self, whole: bool = False) -> dict[Key, Lineage]:
         """Committed steps that include this rank (a node-local tier holds only its node's),
         or with ``whole`` those committed for every rank of the job, with the branch each
         belongs to. A rank the job that saved a step did not have (it grew) holds the step
         if another rank's copy is portable: replicas of the whole job, or DTensor shards."""
-
-        async def go(tier) -> dict[Key, Lineage]:
-            listing = await tier_io.list_steps(tier, self.job)
-            out = {}
-            for k, c in listing.items():
-                if c is None or (whole and not c.complete):
-                    continue
-                if whole:
-                    out[k] = c.lineage
-                    continue
-                if self.rank in c.ranks:
-                    self._saved_by[k] = (self.rank, c.world_size)
-                elif (
-                    c.complete
-                    and self.rank >= c.world_size
-                    and await self._stand_in(tier, k, c.world_size)
-                ):
-                    self._saved_by[k] = (self.rank % c.world_size, c.world_size)
-                else:
-                    continue
+        listing = group.from_first(self._listing) if self.together else self._listing()
+        out: dict[Key, Lineage] = {}
+        stand_ins = []
+        for k, c in (listing or {}).items():
+            if c is None or (whole and not c.complete):
+                continue
+            if whole:
                 out[k] = c.lineage
-            return out
-
-        try:
-            return run_with_tier(self.url, go)
-        except Exception as exc:
-            # Whatever keeps a tier from being listed, the restore goes on without it: raising
-            # here on one rank would leave the others waiting in the step agreement.
-            log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
-            return {}
+            elif self.rank in c.ranks:
+                self._saved_by[k] = (self.rank, c.world_size)
+                out[k] = c.lineage
+            elif c.complete and self.rank >= c.world_size:
+                stand_ins.append((k, c))
+        if stand_ins:
+            try:
+                portable_copies = run_with_tier(self.url, lambda tier: asyncio.gather(
+                    *(self._stand_in(tier, k, c.world_size) for k, c in stand_ins)))  # fmt: skip
+            except Exception as exc:
+                log.warning("tier %s: no step can stand in for rank %d (%s)", self.name,
+                            self.rank, exc)  # fmt: skip
+                portable_copies = [False] * len(stand_ins)
+            for (k, c), ok in zip(stand_ins, portable_copies, strict=True):
+                if ok:
+                    self._saved_by[k] = (self.rank % c.world_size, c.world_size)
+                    out[k] = c.lineage
+        return out
 
     def steps(self, lineage: Lineage | None = None, whole: bool = False) -> set[int]:
         return steps_of(self.snapshots(whole), lineage)

@@ -99,3 +99,58 @@ def test_a_ddp_job_restarted_at_another_world_size(shm_dir, run_dir, tmp_path):
     step8 = tmp_path / "tier" / "resize" / "step-000000000008"
     assert [(step8 / f"rank-{r}" / "manifest.json").is_file() for r in range(3)] == [True] * 3
     assert [(step8 / f"rank-{r}" / "data").stat().st_size for r in range(3)][1:] == [0, 0]
+
+
+LISTING = textwrap.dedent(
+    """
+    import asyncio, json, os, torch.distributed as dist
+    from flashckpt import group, tier_io
+    from flashckpt.sources import TierSource, run_with_tier
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    url = os.environ["TIER"]
+    if rank == 0:  # step 7 committed by two "nodes" for ranks 0-1 and 2
+        async def commit(tier):
+            await tier_io.commit_step(tier, "lst", 7, "a", [0, 1], world)
+            await tier_io.commit_step(tier, "lst", 7, "b", [2], world)
+        run_with_tier(url, commit)
+    dist.barrier()
+    listed = []
+    real = tier_io.list_steps
+    async def counted(tier, job):
+        listed.append(job)
+        return await real(tier, job)
+    tier_io.list_steps = counted
+    together = TierSource(url, "lst", rank, verify=True, together=True)
+    alone = TierSource(url, "lst", rank, verify=True)
+    row = {"rank": rank, "together": sorted(together.snapshots()), "listed": len(listed)}
+    row["alone"] = sorted(alone.snapshots())
+    row["listed_alone"] = len(listed) - row["listed"]
+    # What rank 0 fails with, every rank raises: none waits for a listing that never comes.
+    def broken():
+        raise OSError("the store said 503")
+    try:
+        group.from_first(broken)
+        row["error"] = None
+    except Exception as exc:
+        row["error"] = str(exc)
+    with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_restore_lists_a_shared_tier_once_for_every_rank(tmp_path):
+    """Every rank of a restore asks for a shared tier's steps at once: rank 0 lists it and
+    sends the listing, so a store sees one listing per job, not one per rank."""
+    script = tmp_path / "worker.py"
+    script.write_text(LISTING)
+    env = {**os.environ, "RESULT_DIR": str(tmp_path), "TIER": f"pfs://{tmp_path / 'pfs'}"}
+    torchrun(3, script, env=env, timeout=180)
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["listed"] for r in rows] == [1, 0, 0]
+    assert all(r["together"] == [[0, 7]] == r["alone"] for r in rows), rows
+    assert [r["listed_alone"] for r in rows] == [1, 1, 1]  # a rank alone (a wait) lists itself
+    assert all("rank 0 failed: the store said 503" in r["error"] for r in rows), rows
