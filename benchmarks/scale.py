@@ -14,7 +14,8 @@ one shared tier) and acting on kill orders. Each run plays one schedule:
 
 Printed per N: detection latency of the silent nodes (from a node's last report to the
 controller's detection naming it, p50 and p99, against ``--node-timeout``), the controller's
-CPU (cores, mean over the run and its busiest 5 s) and peak resident memory, report round
+CPU (cores, mean over the run and its busiest 5 s; it runs on a core of its own, the
+simulators on the others) and peak resident memory, report round
 trip p99, delivery (from a detection to every node holding its kill order, slowest node,
 worst detection), global-commit lag (the last node's commit to the commit recorded, worst),
 and false detections. The simulators share the machine with the controller: when they fall
@@ -39,6 +40,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RACK = 64
+# The controller gets a core of its own, as it would have a machine of its own; the
+# simulators share the others (on one core, everything shares it).
+_ALL = sorted(os.sched_getaffinity(0))
+CONTROLLER_CPUS = set(_ALL[:1])
+SIM_CPUS = set(_ALL[1:]) or set(_ALL)
+
+
+def pin(cpus: set[int]) -> None:
+    os.sched_setaffinity(0, cpus)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -96,7 +106,8 @@ def start_controller(events: Path, timeout: float, interval: float, token: str, 
         cmd = [sys.executable, "-m", "flashckpt.agent.cli", *argv]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-controller", source, *argv]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: pin(CONTROLLER_CPUS))  # fmt: skip
     port = None
     out = open(log, "w")  # noqa: SIM115 - closed by the drain thread
     for line in proc.stderr:
@@ -188,6 +199,8 @@ def analyse(n: int, args, plan: dict, samples, rss: float, sim: list[dict], even
     for e in lost:  # a controller of before nodes lost together were one detection each
         e.setdefault("nodes", [e.get("failed_node")])
     detect, missed = [], 0
+    never = sum(1 for _, last in silenced if not last)  # silenced before it was ever heard
+    silenced = [(node, last) for node, last in silenced if last]
     for node, last in silenced:
         t = next((e["time"] for e in lost if node in e.get("nodes", []) and e["time"] > last), None)
         if t is None:
@@ -241,7 +254,7 @@ def analyse(n: int, args, plan: dict, samples, rss: float, sim: list[dict], even
     rtt = [x for s in sim for x in s["rtt"]]
     late = [x for s in sim for x in s["late"]]
     sim_cores = sum(s["cpu_s"] for s in sim) / (plan["stop"] - plan["start"])
-    cores_left = (os.cpu_count() or 1) - (c1 - c0) / (w1 - w0)
+    cores_left = len(SIM_CPUS) if SIM_CPUS != CONTROLLER_CPUS else 1 - (c1 - c0) / (w1 - w0)
     row = {
         "nodes": n,
         "node_timeout_s": args.node_timeout,
@@ -250,6 +263,7 @@ def analyse(n: int, args, plan: dict, samples, rss: float, sim: list[dict], even
         "detected": len(detect),
         "silenced": len(silenced),
         "missed": missed,
+        "never_heard": never,
         "false_detections": false,
         "controller_cores": (c1 - c0) / (w1 - w0),
         "controller_cores_peak5s": max(windows, default=float("nan")),
@@ -284,8 +298,9 @@ def show(rows: list[dict]) -> None:
               f"{r['false_detections']:>5}  "
               f"{'BOTTLENECK ' if r['simulators_bottleneck'] else ''}"
               f"late p99 {r['sim_late_p99_s']:.2f}s, {r['sim_cores']:.2f} cores")  # fmt: skip
-        if r["missed"] or r["undelivered"] or r["errors"]:
-            print(f"      missed {r['missed']}, undelivered {r['undelivered']}, "
+        if r["missed"] or r["undelivered"] or r["errors"] or r["never_heard"]:
+            print(f"      missed {r['missed']}, never heard before silenced {r['never_heard']}, "
+                  f"undelivered {r['undelivered']}, "
                   f"errors {r['errors']}")  # fmt: skip
 
 

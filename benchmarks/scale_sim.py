@@ -80,12 +80,9 @@ class Node:
                 w.beat = now - random.uniform(0, 0.05)
             if w.hung_until and w.alive and now >= w.hung_until:
                 w.alive = False  # the node's hang watchdog killed it
-        steps = [c for c in plan["commits"] if c["at"] + self.offset(c) <= now]
-        if steps and steps[-1]["step"] > self.commit:
-            self.commit = steps[-1]["step"]
-            self.out["commits"].append(
-                [self.name, self.commit, steps[-1]["at"] + self.offset(steps[-1])]
-            )
+        while self.pending and self.pending[0][1] <= now:  # a step this node committed
+            self.commit, at = self.pending.pop(0)
+            self.out["commits"].append([self.name, self.commit, at])
         self.seq += 1
         w = plan["workers"]
         return pb.NodeReport(
@@ -100,9 +97,11 @@ class Node:
             ],
         )  # fmt: skip
 
-    def offset(self, commit: dict) -> float:
-        """When, within a commit window, this node's persistence finishes the step."""
-        return random.Random(commit["step"] * 100_003 + self.index).uniform(0, commit["spread"])
+    def __post_init__(self) -> None:
+        # When, within each commit window, this node's persistence finishes the step.
+        rng = random.Random(self.index)
+        self.pending = [(c["step"], c["at"] + rng.uniform(0, c["spread"]))
+                        for c in self.plan["commits"]]  # fmt: skip
 
     def act(self, reply: pb.ReportReply, now: float) -> None:
         if reply.seq and (sent := self.sent.pop(reply.seq, None)) is not None:
@@ -134,13 +133,19 @@ async def run_node(node: Node, channel: grpc.aio.Channel, metadata, stop: float)
     interval = plan["interval"]
     faults = sorted((f for f in plan["faults"] if node.index in f["nodes"]), key=lambda f: f["at"])
     stub = pb_grpc.ControllerStub(channel)
-    call = stub.Connect(metadata=metadata) if plan["transport"] == "stream" else None
+    stream = plan["transport"] == "stream"
+    call, reader = None, None
 
-    async def read() -> None:
+    async def read(call) -> None:
         async for reply in call:
             node.act(reply, time.time())
 
-    reader = asyncio.create_task(read()) if call is not None else None
+    async def close() -> None:
+        if call is not None:
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await reader
+
     due = plan["start"] + random.uniform(0, interval)  # agents start at random moments
     node.start_round(plan["start"])
     try:
@@ -160,10 +165,19 @@ async def run_node(node: Node, channel: grpc.aio.Channel, metadata, stop: float)
             if now >= node.silent_to and node.silent_from < float("inf"):
                 node.silent_from = node.silent_to = float("inf")
                 node.start_round(now)  # a replaced node starts fresh workers
+                await close()  # and its new agent opens a new stream
+                call = None
+            if stream and (call is None or reader.done()):  # (re)connect, as the agent does
+                if call is not None:
+                    why = reader.exception() if not reader.cancelled() else None
+                    node.out["errors"].append(f"stream ended: {why!r}")
+                    await close()
+                call = stub.Connect(metadata=metadata)
+                reader = asyncio.create_task(read(call))
             report = node.report(now)
             node.sent[report.seq] = now
             try:
-                if call is not None:
+                if stream:
                     await call.write(report)
                 else:
                     reply = await stub.Report(report, metadata=metadata, timeout=10)
@@ -173,12 +187,11 @@ async def run_node(node: Node, channel: grpc.aio.Channel, metadata, stop: float)
                 node.out["last_report"] = now
             except grpc.aio.AioRpcError as exc:
                 node.out["errors"].append(f"{exc.code().name}: {exc.details()}")
+            except asyncio.InvalidStateError:  # the stream ended: reconnect next time
+                node.out["errors"].append("write on an ended stream")
             due += interval
     finally:
-        if call is not None:
-            call.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await reader
+        await close()
 
 
 async def main(plan: dict, first: int, count: int, out_path: str) -> None:
