@@ -235,7 +235,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         return self.c.report(request)
 
     async def Connect(self, request_iterator, context):
-        """Answer each report in order; between them, write the orders a detection pushes."""
+        """Answer the reports that bring news (new orders, a new heartbeat) and every tenth
+        as a sign of life; between them, write the orders a detection pushes."""
         outbox: asyncio.Queue[pb.ReportReply | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         watched: dict[tuple[str, str], Callable] = {}

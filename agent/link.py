@@ -116,8 +116,8 @@ class Link:
         finally:
             call.cancel()
             stopping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await orders
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await orders  # what ended it, if anything, is for _warn to say
         self._warn(endpoint, orders)
 
     async def _orders(self, call) -> None:

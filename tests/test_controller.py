@@ -408,6 +408,36 @@ def test_an_agent_reports_its_workers_and_kills_the_ones_ordered(shm_dir, run_di
     assert is_dead(running.pid) and is_dead(stopped.pid)
 
 
+def test_an_agent_refused_warns_once_and_follows_the_next_controller_file(shm_dir, run_dir,
+                                                                         events, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """A controller that refuses the agent's token costs one warning, not one a heartbeat, and
+    the agent's report stream follows the controller file once it names the right token."""
+    monkeypatch.setenv("FLASHCKPT_NODE", "here")
+    c = Controller(events, node_timeout=30, heartbeat=1)
+    thread = InThread(c, "127.0.0.1:0", TOKEN)
+    port = thread.start_serving()
+    control.Endpoint(f"127.0.0.1:{port}", "w" * 32).save(run_dir, JOB)
+    log = tmp_path / "agent.log"
+    with open(log, "w") as err:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
+             str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT, stderr=err,
+        )  # fmt: skip
+    try:
+        assert poll(lambda: "does not take reports" in log.read_text(), 30)
+        time.sleep(3.5)  # three more heartbeats, refused
+        text = log.read_text()
+        assert text.count("does not take reports") == 1, text
+        assert "UNAUTHENTICATED" in text and JOB not in c.jobs
+        control.Endpoint(f"127.0.0.1:{port}", TOKEN).save(run_dir, JOB)
+        assert poll(lambda: JOB in c.jobs and "here" in c.jobs[JOB].nodes, 15)
+    finally:
+        agent.terminate()
+        assert agent.wait(30) == 0
+        thread.stop()
+
+
 def test_the_standalone_controller_needs_a_token_and_serves_with_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCKPT_CONTROLLER")}
     cmd = [sys.executable, "-m", "flashckpt.agent.cli", "controller", "--bind", "127.0.0.1:0",
