@@ -29,6 +29,13 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
                    opts: dict, job: str) -> Restored:  # fmt: skip
     """Load into ``state`` the newest step every rank can get (or ``step``) from the first
     of ``sources`` (fastest first) holding an intact copy."""
+    # A shared tier is listed once, by rank 0, when every rank names the same shared tiers
+    # (else each rank lists its own: a collective only some ranks entered would hang).
+    together = tuple(src.url for src in sources if getattr(src, "together", False))
+    if len(set(group.gather(together))) > 1:
+        for src in sources:
+            if getattr(src, "together", False):
+                src.together = False
     held = [src.snapshots() for src in sources]
     known = {k: lin for h in held for k, lin in h.items()}
     lineage = newest(group.gather(newest(list(known.values()))))  # type: ignore[arg-type]

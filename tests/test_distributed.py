@@ -135,6 +135,14 @@ LISTING = textwrap.dedent(
         row["error"] = None
     except Exception as exc:
         row["error"] = str(exc)
+    # Rank 2 has no shared tier: the others cannot wait for it in a broadcast, so each lists
+    # for itself, and the restore ends (nothing to load: the step has no data) without a hang.
+    from flashckpt.agreement import restore_agreed
+    before = len(listed)
+    sources = [] if rank == 2 else [TierSource(url, "lst", rank, verify=True, together=True)]
+    got = restore_agreed({}, sources, None, False, {}, "lst")
+    row["uneven_listed"] = len(listed) - before
+    row["uneven_step"] = got.step
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.destroy_process_group()
@@ -154,3 +162,5 @@ def test_a_restore_lists_a_shared_tier_once_for_every_rank(tmp_path):
     assert all(r["together"] == [[0, 7]] == r["alone"] for r in rows), rows
     assert [r["listed_alone"] for r in rows] == [1, 1, 1]  # a rank alone (a wait) lists itself
     assert all("rank 0 failed: the store said 503" in r["error"] for r in rows), rows
+    assert [r["uneven_listed"] for r in rows] == [1, 1, 0]
+    assert [r["uneven_step"] for r in rows] == [None, None, None]
