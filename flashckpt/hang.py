@@ -80,9 +80,10 @@ class Watchdog:
     def __init__(self, shm_dir: Path, job: str, policy: HangPolicy):
         self.shm_dir, self.job, self.policy = shm_dir, job, policy
 
-    def check(self, workers: dict[int, int]) -> list[Hang]:
-        """The hung ones among ``workers`` ({global rank: pid}). A page left by an earlier
-        process of the rank (another pid) is not this worker's, and is ignored."""
+    def silences(self, workers: dict[int, int]) -> list[Hang]:
+        """How long each watched one of ``workers`` ({global rank: pid}) has been silent,
+        against its timeout. A page left by an earlier process of the rank (another pid) is
+        not this worker's, and is ignored."""
         now = time.monotonic()
         out = []
         for rank, pid in sorted(workers.items()):
@@ -90,10 +91,14 @@ class Watchdog:
             if beat is None or beat.pid != pid:
                 continue
             limit = self.policy.timeout(beat)
-            silent = now - beat.updated_at
-            if limit is not None and silent > limit:
+            if limit is not None:
+                silent = now - beat.updated_at
                 out.append(Hang(rank, pid, beat.phase.name.lower(), beat.step, silent, limit))
         return out
+
+    def check(self, workers: dict[int, int]) -> list[Hang]:
+        """The hung ones among ``workers``: silent past their timeout."""
+        return [h for h in self.silences(workers) if h.silent_s > h.timeout_s]
 
     def stacks(self, rank: int, pid: int, stopped: bool = False, wait_s: float = 2.0) -> str:
         """The Python stacks of a hung worker: py-spy when installed (it reads a stopped

@@ -35,7 +35,7 @@ from .agent_client import AgentClient
 from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
-from .hang import HangPolicy, Watchdog
+from .hang import Hang, HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, pages, read
 from .proc import parent_and_state
 from .safe_paths import private_dir
@@ -66,9 +66,8 @@ class NodeWatch(threading.Thread):
     def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
                  interval: float = 0.25, one_at_a_time: bool = False):  # fmt: skip
         """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
-        the likely culprit is killed (a stopped one first, else the one silent longest); the
-        others, blocked in a collective with it, get the hang floor to recover before any
-        is judged again."""
+        the likely culprit is killed (see ``_culprit``); the others, blocked in a collective
+        with it, get the hang floor to recover before any is judged again."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
@@ -109,14 +108,15 @@ class NodeWatch(threading.Thread):
                 self.events.record("worker_exited", rank=rank, worker_pid=pid, step=beat.step,
                                    phase=beat.phase.name.lower(),
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
-        hangs = self.watchdog.check(workers)
-        states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
+        silences = self.watchdog.silences(workers)
+        hangs = [h for h in silences if h.silent_s > h.timeout_s]
         if self.one_at_a_time and hangs:
             if time.monotonic() < self._quiet_until:
                 hangs = []
             else:
-                hangs = [min(hangs, key=lambda h: (states[h.pid] != "T", -h.silent_s))]
+                hangs = [self._culprit(silences)]
                 self._quiet_until = time.monotonic() + self.floor
+        states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
         # A stopped worker first: its dump needs it continued, and it must not die first of
         # the SIGTERM TorchElastic sends once another worker is killed (a stopped process
         # with SIGTERM's default action dies at once). Each is killed right after its dump.
@@ -135,6 +135,15 @@ class NodeWatch(threading.Thread):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(hang.pid, signal.SIGKILL)  # a stopped process dies too
             self.events.record("killed", rank=hang.rank, worker_pid=hang.pid, signal="SIGKILL")
+
+    @staticmethod
+    def _culprit(silences: list[Hang]) -> Hang:
+        """Of ranks hung together (one past its timeout, the others silent at least half of
+        theirs: blocked in a collective with it, or about to be judged), the likely cause: a
+        stopped one first, else the one silent longest. The ranks of a collective fall silent
+        within moments of each other, so the first past its timeout is often a waiting one."""
+        together = [h for h in silences if h.silent_s > h.timeout_s / 2]
+        return min(together, key=lambda h: (parent_and_state(h.pid)[1] != "T", -h.silent_s))
 
     def _workers(self) -> dict[int, int]:
         """{rank: pid} of the live workers of this launcher that have a heartbeat page."""

@@ -14,8 +14,10 @@ import torch
 
 from flashckpt import Checkpointer, ConfigError
 from flashckpt.events import EventLog, read_events
-from flashckpt.hang import HangPolicy, Watchdog
+from flashckpt.hang import Hang, HangPolicy, Watchdog
 from flashckpt.heartbeat import Beat, Heartbeat, Phase, heartbeat_path, read, stacks_path
+from flashckpt.launcher import NodeWatch
+from flashckpt.proc import parent_and_state
 from flashckpt.report import render, summarize
 from flashckpt.slots import free_rank
 
@@ -127,6 +129,31 @@ def test_the_watchdog_finds_a_stopped_rank_and_dumps_its_stacks(shm_dir):
     free_rank(shm_dir, "hbstop", 0)  # which go with the rest of its files when it is freed
     assert not stacks_path(shm_dir, "hbstop", 0).exists()
     assert not heartbeat_path(shm_dir, "hbstop", 0).exists()
+
+
+def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_last():
+    """In-process recovery kills one rank: the ranks blocked in a collective with a stopped
+    one fall silent within moments of it, and may pass their timeout first."""
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while parent_and_state(stopped.pid)[1] != "T":
+            assert time.monotonic() < deadline, "sleep was never seen stopped"
+            time.sleep(0.01)
+
+        def hung(pid, silent, rank):
+            return Hang(rank, pid, "train", 10, silent, 3.0)
+
+        waiting = hung(os.getpid(), 3.1, 2)  # this process: running, past its timeout
+        assert NodeWatch._culprit([waiting, hung(stopped.pid, 2.9, 3)]).rank == 3
+        # a stopped rank silent for less than half its timeout did not stop with this hang
+        assert NodeWatch._culprit([waiting, hung(stopped.pid, 1.0, 3)]).rank == 2
+        # none stopped: the one silent longest
+        assert NodeWatch._culprit([waiting, hung(os.getppid(), 3.5, 1)]).rank == 1
+    finally:
+        stopped.kill()
+        stopped.wait()
 
 
 def test_the_report_splits_lost_time_into_its_parts(tmp_path):

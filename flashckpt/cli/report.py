@@ -53,8 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--project", action="store_true",
                    help="project the effective training time at --gpus GPUs from the parts "
                         "the logs measured (and the options below)")  # fmt: skip
-    g.add_argument("--gpus", type=_number(1, kind=int), default=16384,
-                   help="GPUs of the job projected (default 16384)")
+    g.add_argument(
+        "--gpus",
+        type=_number(1, kind=int),
+        default=16384,
+        help="GPUs of the job projected (default 16384)",
+    )
     g.add_argument(
         "--interruptions",
         type=_number(0, kind=int),
