@@ -10,7 +10,8 @@ state = flashckpt.load("file:///mnt/nvme/ckpt")  # without the training code: pl
 flashckpt.run_recoverable(train)  # in-process recovery under flashckpt-run (see the README)
 """
 
-from .checkpointer import Checkpointer
+from typing import TYPE_CHECKING
+
 from .errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -23,10 +24,38 @@ from .errors import (
     StateMismatchError,
     TierUnavailableError,
 )
-from .inprocess import run_recoverable
-from .load import load
-from .manifest import FORMAT_VERSION
-from .rng import RNG
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+    from .inprocess import run_recoverable
+    from .loader import load
+    from .manifest import FORMAT_VERSION
+    from .rng import RNG
+
+# What needs torch is imported when first used: the agent, the controller and the command
+# line import this package too, and torch costs each of them a second or two at start.
+_LAZY = {
+    "FORMAT_VERSION": "manifest",
+    "Checkpointer": "checkpointer",
+    "RNG": "rng",
+    "load": "loader",
+    "run_recoverable": "inprocess",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .load import committed, load_from, resolve_job
+from .loader import committed, load_from, resolve_job
 from .sources import run_with_tier
 
 FORMATS = ("torch", "safetensors", "dcp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -14,10 +15,14 @@ import torch
 from .manifest import MAX_TREE_DEPTH, Entry, ShardInfo, dtype_name, encode_scalar
 from .slot import align
 
-try:  # DTensor is public from torch 2.4 on; older builds simply have none to flatten
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor. Whoever made one imported ``torch.distributed.tensor``:
+    it is looked up, never imported here, for importing it costs every process of flashckpt
+    (trainer, agent, command line) about a second at start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 @runtime_checkable
@@ -75,7 +80,7 @@ def _shard_info_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Shar
 def tensor_source(t: torch.Tensor, path: str) -> tuple[torch.Tensor, ShardInfo | None]:
     """The plain tensor whose bytes represent ``t`` on this rank, and its shard info."""
     shard = None
-    if DTensor is not None and isinstance(t, DTensor):
+    if is_dtensor(t):
         shard = _shard_info(t)
         t = t.to_local()
     if t.layout != torch.strided:

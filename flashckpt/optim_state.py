@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .flatten import DTensor
+from .flatten import is_dtensor
 
 
 def params_in_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -35,9 +35,7 @@ def needs_state(
         return False
     params = params_in_order(opt)
     return any(
-        0 <= i < len(params)
-        and ((DTensor is not None and isinstance(params[i], DTensor)) or on_device(params[i]))
-        for i in indices
+        0 <= i < len(params) and (is_dtensor(params[i]) or on_device(params[i])) for i in indices
     )
 
 

@@ -19,7 +19,7 @@ import torch
 from . import device, optim_state
 from .entry_copy import Source
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
-from .flatten import DTensor, copy_into, is_stateful, join, tensor_source
+from .flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
 from .manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from .reshard import Resharder
 
@@ -176,7 +176,7 @@ class Planner:
 
     def _tensor(self, e: Entry, target: torch.Tensor, path: str) -> Producer:
         local, shard = tensor_source(target, path)
-        dst = target.to_local() if DTensor is not None and isinstance(target, DTensor) else target
+        dst = target.to_local() if is_dtensor(target) else target
         if shard is not None and e.shard is not None and shard != e.shard:
             return self._resharded(e, target, dst, shard, path)
         before = len(self.mismatches)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .flatten import DTensor
+from .flatten import is_dtensor
 
 Fence = Callable[[bool], None]
 """Called before any optimizer step, with whether the step is being captured in a graph."""
@@ -36,7 +36,7 @@ _capturing: Callable[[], bool] = lambda: False  # noqa: E731  (the device runtim
 
 def storage_key(t: torch.Tensor) -> int:
     """The address of the storage under ``t`` (0 for a tensor without one)."""
-    if DTensor is not None and isinstance(t, DTensor):
+    if is_dtensor(t):
         t = t.to_local()
     try:
         return t.untyped_storage().data_ptr()

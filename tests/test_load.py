@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +128,26 @@ def test_restore_with_a_key_map_and_without_strictness(shm_dir):
     keep_weight = lambda k: None if k == "module.bias" else k.removeprefix("module.")  # noqa: E731
     assert ck.restore(dropped, key_map=keep_weight) == 1
     ck.close()
+
+
+def test_the_package_starts_without_torch_and_load_stays_the_function():
+    """The launcher, the controller and the command line import ``flashckpt`` and start
+    without torch (a second or two each); what needs torch comes when first used, and
+    importing the module behind ``flashckpt.load`` does not hide the function."""
+    code = (
+        "import sys, flashckpt, flashckpt.launcher, flashckpt.cli, agent.controller\n"
+        "assert 'torch' not in sys.modules, 'torch imported at start'\n"
+        "import flashckpt.export\n"
+        "assert callable(flashckpt.load) and flashckpt.load.__name__ == 'load'\n"
+        "assert flashckpt.Checkpointer.__name__ == 'Checkpointer' and flashckpt.FORMAT_VERSION\n"
+        "assert {'Checkpointer', 'load', 'RNG', 'run_recoverable'} <= set(dir(flashckpt))\n"
+        "try:\n"
+        "    flashckpt.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
