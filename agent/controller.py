@@ -236,7 +236,10 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     async def Connect(self, request_iterator, context):
         """Answer the reports that bring news (new orders, a new heartbeat) and every tenth
-        as a sign of life; between them, write the orders a detection pushes."""
+        as a sign of life; between them, write the orders a detection pushes. The stream is
+        accepted at once (headers sent), so a node knows before its first report whether it is
+        heard or refused, and why."""
+        await context.send_initial_metadata(())
         outbox: asyncio.Queue[pb.ReportReply | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         watched: dict[tuple[str, str], Callable] = {}

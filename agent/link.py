@@ -104,7 +104,10 @@ class Link:
         orders = asyncio.create_task(self._orders(call))
         stopping = asyncio.create_task(stop.wait())
         try:
-            while not orders.done() and not stopping.done():
+            # Accepted or refused before the first report: a report written to a stream the
+            # controller has just refused fails with a client-side error that hides its reason.
+            await asyncio.wait_for(call.initial_metadata(), max(2.0, self.interval))
+            while not orders.done() and not stopping.done() and not call.done():
                 if Endpoint.load(self.run_dir, self.job.name) != endpoint:
                     return  # the next call follows the new controller
                 self._seq += 1

@@ -136,7 +136,9 @@ class Heartbeat:
 
     def close(self) -> None:
         """Mark the rank closed and remove its page: the watchdog stops watching it, and a
-        worker that exits afterwards has finished, not failed."""
+        worker that exits afterwards has finished, not failed. Closing again does nothing."""
+        if self._mm.closed:
+            return
         self.phase(Phase.CLOSED)
         _live.discard(self)
         self.path.unlink(missing_ok=True)

@@ -67,13 +67,16 @@ class NodeWatch(threading.Thread):
                  interval: float = 0.25, one_at_a_time: bool = False):  # fmt: skip
         """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
         the likely culprit is killed (see ``_culprit``); the others, blocked in a collective
-        with it, get the hang floor to recover before any is judged again."""
+        with it, are not judged again before its replacement has started (at most the
+        start-up budget) and had the hang floor to join them."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
         self.events, self.interval = events, interval
         self.one_at_a_time, self.floor = one_at_a_time, policy.floor
         self._quiet_until = 0.0
+        self._startup = policy.startup
+        self._replacing: tuple[Hang, float] | None = None  # the culprit killed, and when
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
         self._halt = self.halted = threading.Event()
 
@@ -111,10 +114,11 @@ class NodeWatch(threading.Thread):
         silences = self.watchdog.silences(workers)
         hangs = [h for h in silences if h.silent_s > h.timeout_s]
         if self.one_at_a_time and hangs:
-            if time.monotonic() < self._quiet_until:
+            if self._awaiting_replacement() or time.monotonic() < self._quiet_until:
                 hangs = []
             else:
                 hangs = [self._culprit(silences)]
+                self._replacing = hangs[0], time.monotonic()
                 self._quiet_until = time.monotonic() + self.floor
         states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
         # A stopped worker first: its dump needs it continued, and it must not die first of
@@ -135,6 +139,22 @@ class NodeWatch(threading.Thread):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(hang.pid, signal.SIGKILL)  # a stopped process dies too
             self.events.record("killed", rank=hang.rank, worker_pid=hang.pid, signal="SIGKILL")
+
+    def _awaiting_replacement(self) -> bool:
+        """Whether the rank last killed as a culprit has no new process yet: the ranks
+        blocked with it wait for that one (however long a loaded node takes to start it)."""
+        if self._replacing is None:
+            return False
+        killed, at = self._replacing
+        beat = read(heartbeat_path(self.shm_dir, self.job, killed.rank))
+        if beat is not None and beat.pid != killed.pid:  # the replacement has its page
+            self._replacing = None
+            self._quiet_until = time.monotonic() + self.floor
+            return True
+        if time.monotonic() - at > self._startup:  # never replaced here: judge again
+            self._replacing = None
+            return False
+        return True
 
     @staticmethod
     def _culprit(silences: list[Hang]) -> Hang:

@@ -244,7 +244,8 @@ def connect(address: str, token: str, reports: list[pb.NodeReport], until) -> li
             call = pb_grpc.ControllerStub(channel).Connect(
                 metadata=(("authorization", f"Bearer {token}"),)
             )
-            for r in reports:
+            await call.initial_metadata()  # accepted or refused before the first report
+            for r in reports if not call.done() else []:  # refused: the read says why
                 await call.write(r)
             got = []
             async for reply in call:

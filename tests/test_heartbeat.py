@@ -156,6 +156,30 @@ def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_las
         stopped.wait()
 
 
+def test_ranks_blocked_with_a_killed_culprit_wait_for_its_replacement_to_start(tmp_path):
+    """However long a loaded node takes to start the killed rank's replacement, the ranks
+    waiting on it are not judged before it has a page and the floor has passed after it."""
+    shm = tmp_path / "shm"
+    (shm / "wait").mkdir(parents=True)
+    policy = HangPolicy(floor=3, startup=60)
+    watch = NodeWatch(shm, "wait", EventLog(tmp_path / "e.jsonl"), policy, one_at_a_time=True)
+    killed = Hang(1, os.getpid() + 100000, "train", 10, 4.0, 3.0)
+    assert not watch._awaiting_replacement()  # nothing killed yet
+    watch._replacing = killed, time.monotonic()
+    assert watch._awaiting_replacement()  # no page of rank 1 yet
+    hb = Heartbeat(heartbeat_path(shm, "wait", 1), stacks_path(shm, "wait", 1))  # the new one
+    try:
+        before = time.monotonic()
+        assert watch._awaiting_replacement()  # its page is there: the floor starts now
+        assert watch._replacing is None and watch._quiet_until >= before + 3
+        assert not watch._awaiting_replacement()
+        watch._replacing = killed, time.monotonic() - 61  # never replaced within start-up
+        hb.close()
+        assert not watch._awaiting_replacement() and watch._replacing is None
+    finally:
+        hb.close()
+
+
 def test_the_report_splits_lost_time_into_its_parts(tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
     t0 = 1000.0

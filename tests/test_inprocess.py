@@ -16,6 +16,8 @@ import pytest
 from conftest import ROOT, wait_for
 from test_launcher import NODES, PER_NODE, Cluster, explain, free_port, reference, run_job
 
+pytestmark = pytest.mark.serial  # which rank is the culprit is judged by the clock
+
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 WORLD = NODES * PER_NODE
 

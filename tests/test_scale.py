@@ -8,8 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.serial  # the controller's CPU and latencies, by the clock
 TIMEOUT = 2.0
 
 
