@@ -245,8 +245,12 @@ class Checkpointer:
         """Block until a snapshot (the newest, or ``step`` or later) is in shared memory, or,
         with ``tier``, committed in that tier. Works from any process of the job that names
         the same job and rank. Returns the step; TimeoutError after ``timeout`` seconds."""
-        if tier is not None:
-            return self._wait_tier(tier, step, timeout)
+        with self._waiting(timeout):
+            if tier is not None:
+                return self._wait_tier(tier, step, timeout)
+            return self._wait_in_memory(step, timeout)
+
+    def _wait_in_memory(self, step: int | None, timeout: float | None) -> int:
         with self._lock:
             self._check_open()
             self._settle()
@@ -271,14 +275,15 @@ class Checkpointer:
                 return
             remove = True
             try:
-                self._settle()
-                self._prep.wait(raise_errors=False)  # every slot sized before deciding
-                if self._last_saved is None:
-                    # Nothing of ours in the slots: free them only if they hold no snapshot
-                    # (e.g. ones restore() readied), never another trainer's.
-                    remove = self._holds_nothing()
-                else:
-                    remove = self._persisted_everywhere()
+                with self._waiting(self.close_timeout):  # close_timeout bounds it: no hang
+                    self._settle()
+                    self._prep.wait(raise_errors=False)  # every slot sized before deciding
+                    if self._last_saved is None:
+                        # Nothing of ours in the slots: free them only if they hold no snapshot
+                        # (e.g. ones restore() readied), never another trainer's.
+                        remove = self._holds_nothing()
+                    else:
+                        remove = self._persisted_everywhere()
             finally:
                 self._closed = True
                 self._background.shutdown(wait=True)
@@ -323,6 +328,12 @@ class Checkpointer:
             self._heartbeat = heartbeat.open_for_rank(self.shm_dir, self.job, self.rank)
             self._no_heartbeat = self._heartbeat is None
         return self._heartbeat
+
+    def _waiting(self, budget_s: float | None) -> contextlib.AbstractContextManager:
+        """The wait phase of this rank's heartbeat page for a block, a wait and not a hang. A
+        process with no page (one that only waits, naming the rank) touches none."""
+        beat = self._heartbeat
+        return beat.waiting(budget_s) if beat is not None else contextlib.nullcontext()
 
     def _close_heartbeat(self) -> None:
         beat, self._heartbeat = self._heartbeat, None

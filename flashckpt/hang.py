@@ -4,6 +4,8 @@ A rank's timeout is learned from its own step times and bounded:
 ``clamp(FLASHCKPT_HANG_FACTOR x slowest recent step, FLASHCKPT_HANG_FLOOR, FLASHCKPT_HANG_CEILING)``
 while it trains, with separate budgets while it starts up (until its first full step after a
 start or a restore), saves and restores, so a slow first step or a large restore is not a hang.
+A rank waiting for a snapshot to reach a tier (``wait()``, ``close()``) has the timeout it waits
+with plus the save budget (the ceiling in place of a timeout it did not give).
 A closed rank is not watched, nor a worker that never made a heartbeat page (it does not use
 flashckpt).
 """
@@ -59,6 +61,8 @@ class HangPolicy:
             return self.save
         if beat.phase == Phase.RESTORE:
             return self.restore
+        if beat.phase == Phase.WAIT:
+            return self.save + (beat.budget_s or self.ceiling)
         if beat.phase == Phase.TRAIN and beat.slowest_step_s > 0:
             return min(max(self.factor * beat.slowest_step_s, self.floor), self.ceiling)
         return max(self.startup, self.floor)  # start-up, or the first step after it

@@ -12,9 +12,11 @@ guards torn reads, and anything that does not parse is treated as no page at all
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import faulthandler
 import logging
+import math
 import mmap
 import os
 import signal
@@ -24,6 +26,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +37,11 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"FCHBEAT1"
 _FMT = struct.Struct("<8sQqIIqQdddd")
-# magic, seq (odd while writing), pid, phase, reserved, step, beats (progress count),
-# updated_at, slowest recent step interval, started_at, phase_since: times are CLOCK_MONOTONIC,
-# which every process of the node shares.
+# magic, seq (odd while writing), pid, phase, budget_s (how long the rank said its phase may
+# take, 0: not said), step, beats (progress count), updated_at, slowest recent step interval,
+# started_at, phase_since: times are CLOCK_MONOTONIC, which every process of the node shares.
 PAGE = 4096
+_MAX_BUDGET = 2**32 - 1
 WINDOW = 32
 """Step intervals kept to learn the step time: the slowest of the last WINDOW counts."""
 STACK_SIGNAL = signal.SIGUSR2
@@ -51,6 +55,7 @@ class Phase(enum.IntEnum):
     SAVE = 3
     RESTORE = 4
     CLOSED = 5
+    WAIT = 6  # for a snapshot to reach shared memory or a tier: wait(), close()
 
 
 _SUFFIX = ".heartbeat"
@@ -76,6 +81,7 @@ class Beat:
     slowest_step_s: float  # 0 until one full step interval was seen in the train phase
     started_at: float
     phase_since: float
+    budget_s: int = 0  # what the rank said its phase may take (a wait's timeout), 0: not said
 
 
 class Heartbeat:
@@ -92,6 +98,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._seq = 0
         self._phase = Phase.STARTUP
+        self._budget = 0
         self._step = -1
         self._beats = 0
         self._last_progress: float | None = None
@@ -103,10 +110,12 @@ class Heartbeat:
         self._write(now)
         _live.add(self)
 
-    def phase(self, phase: Phase, step: int | None = None) -> None:
-        """Enter ``phase`` (a save, a restore, training again, closed)."""
+    def phase(self, phase: Phase, step: int | None = None, budget_s: float = 0.0) -> None:
+        """Enter ``phase`` (a save, a restore, a wait, training again, closed); ``budget_s``:
+        how long it may take, when the rank knows (a wait's timeout)."""
         with self._lock:
             now = time.monotonic()
+            self._budget = math.ceil(min(max(0.0, budget_s), _MAX_BUDGET))
             if phase != self._phase:
                 self._phase, self._phase_since = phase, now
             if phase == Phase.RESTORE:
@@ -115,12 +124,27 @@ class Heartbeat:
                 self._step = step
             self._write(now)
 
+    @contextlib.contextmanager
+    def waiting(self, budget_s: float | None) -> Iterator[None]:
+        """The wait phase for the block (``budget_s``: the wait's timeout, None if it has
+        none), the phase before it again after; the wait is no step interval."""
+        with self._lock:
+            before = self._phase
+        self.phase(Phase.WAIT, budget_s=budget_s or 0.0)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._last_progress = None
+            if not self._mm.closed:
+                self.phase(before)
+
     def progress(self, step: int | None = None) -> None:
         """One more step done (an optimizer step, a save): the rank is alive and training."""
         with self._lock:
             now = time.monotonic()
             if self._phase != Phase.TRAIN:
-                self._phase, self._phase_since = Phase.TRAIN, now
+                self._phase, self._phase_since, self._budget = Phase.TRAIN, now, 0
             elif self._last_progress is not None:
                 self._intervals.append(now - self._last_progress)
             self._last_progress = now
@@ -150,7 +174,7 @@ class Heartbeat:
         struct.pack_into("<Q", self._mm, 8, self._seq)
         slowest = max(self._intervals, default=0.0)
         _FMT.pack_into(
-            self._mm, 0, MAGIC, self._seq, os.getpid(), int(self._phase), 0, self._step,
+            self._mm, 0, MAGIC, self._seq, os.getpid(), int(self._phase), self._budget, self._step,
             self._beats, now, slowest, self._started, self._phase_since,
         )  # fmt: skip
         self._seq += 1
@@ -209,13 +233,13 @@ def read(path: Path) -> Beat | None:
             return None
     finally:
         os.close(fd)
-    magic, _, pid, phase, _, step, beats, updated, slowest, started, since = _FMT.unpack(raw)
+    magic, _, pid, phase, budget, step, beats, updated, slowest, started, since = _FMT.unpack(raw)
     ok = magic == MAGIC and pid > 0 and phase in Phase._value2member_map_
     times = (updated, slowest, started, since)
     if not ok or not all(t == t and 0 <= t < 1e12 for t in times):  # t == t: not NaN
         return None
     return Beat(pid, Phase(phase), step if step >= 0 else None, beats, updated, slowest,
-                started, since)  # fmt: skip
+                started, since, budget)  # fmt: skip
 
 
 # ---- per-process plumbing: the optimizer-step hook and the stack dump ----------------------

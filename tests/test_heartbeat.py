@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,8 +23,8 @@ from flashckpt.report import render, summarize
 from flashckpt.slots import free_rank
 
 
-def beat(phase: Phase, slowest: float = 0.0) -> Beat:
-    return Beat(1, phase, 3, 7, time.monotonic(), slowest, 0.0, 0.0)
+def beat(phase: Phase, slowest: float = 0.0, budget_s: int = 0) -> Beat:
+    return Beat(1, phase, 3, 7, time.monotonic(), slowest, 0.0, 0.0, budget_s)
 
 
 def test_the_timeout_is_learned_from_step_times_and_bounded_per_phase():
@@ -36,6 +37,8 @@ def test_the_timeout_is_learned_from_step_times_and_bounded_per_phase():
     assert p.timeout(beat(Phase.SAVE, 2.0)) == 20
     assert p.timeout(beat(Phase.RESTORE, 2.0)) == 40
     assert p.timeout(beat(Phase.CLOSED)) is None
+    assert p.timeout(beat(Phase.WAIT, 2.0, budget_s=300)) == 320  # the wait's own timeout
+    assert p.timeout(beat(Phase.WAIT, 2.0)) == 80  # a wait without one: the ceiling
 
 
 def test_the_policy_comes_from_the_environment_and_refuses_nonsense(monkeypatch):
@@ -96,6 +99,32 @@ def test_save_restore_and_optimizer_steps_beat(shm_dir):
             opt.step()
         assert read(path).beats == b.beats + 3
     assert not path.exists()  # close() removes the page: the rank is no longer watched
+
+
+def test_a_rank_waiting_for_its_snapshot_or_closing_is_not_hung(shm_dir):
+    state = {"t": torch.ones(4)}
+    dog = Watchdog(shm_dir, "hbwait", HangPolicy(floor=0.2, startup=0.2, save=0.2))
+    with Checkpointer(job="hbwait", close_timeout=45) as ck:
+        ck.save(1, state)
+        path = heartbeat_path(shm_dir, "hbwait", 0)
+        seen = []
+
+        def look() -> None:
+            time.sleep(0.6)  # silent past the floor, the start-up and the save budgets
+            seen.append((read(path), dog.check({0: os.getpid()})))
+
+        watcher = threading.Thread(target=look)
+        watcher.start()
+        with pytest.raises(TimeoutError, match="step 9"):
+            ck.wait(9, timeout=1.5)  # a step never saved
+        watcher.join()
+        (during, hangs), after = seen[0], read(path)
+        assert (during.phase, during.budget_s, hangs) == (Phase.WAIT, 2, [])
+        assert (after.phase, after.budget_s) == (Phase.TRAIN, 0)  # back to what it was
+        persisted = ck._persisted_everywhere
+        ck._persisted_everywhere = lambda: seen.append(read(path)) or persisted()
+    assert (seen[1].phase, seen[1].budget_s) == (Phase.WAIT, 45)  # close() waits for tiers
+    assert not path.exists()
 
 
 def test_the_watchdog_finds_a_stopped_rank_and_dumps_its_stacks(shm_dir):
