@@ -95,7 +95,7 @@ class Controller:
         self.heartbeat = config.setting_float("heartbeat_interval", heartbeat, DEFAULT_HEARTBEAT,
                                               lo=0.05)  # fmt: skip
         self.jobs: dict[str, JobState] = {}
-        self.watchers: dict[tuple[str, str], Callable[[pb.ReportReply], None]] = {}
+        self.watchers: dict[tuple[str, str], Callable[[pb.ReportReply | None], None]] = {}
 
     def report(self, r: pb.NodeReport, now: float | None = None) -> pb.ReportReply:
         now = time.monotonic() if now is None else now
@@ -122,9 +122,12 @@ class Controller:
         self._update_commits(r.job, job, r.node, node, r.tiers)
         return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq)
 
-    def watch(self, job: str, node: str, deliver: Callable[[pb.ReportReply], None]) -> Callable:
+    def watch(
+        self, job: str, node: str, deliver: Callable[[pb.ReportReply | None], None]
+    ) -> Callable:
         """Have ``deliver`` called with the node's orders whenever a detection adds to them
-        (the stream of an agent that keeps one open). Returns the call that stops it."""
+        (the stream of an agent that keeps one open), and with None when the controller stops.
+        Returns the call that stops it."""
         self.watchers[job, node] = deliver
 
         def stop() -> None:
@@ -132,6 +135,11 @@ class Controller:
                 del self.watchers[job, node]
 
         return stop
+
+    def hang_up(self) -> None:
+        """End every node's report stream: the controller stops."""
+        for deliver in list(self.watchers.values()):
+            deliver(None)
 
     def tick(self, now: float | None = None) -> None:
         """Flag nodes whose agent went silent while their workers ran; the nodes found in one
@@ -226,6 +234,9 @@ class Controller:
             self.events.record(kind, **fields)
 
 
+_HANG_UP = pb.ReportReply()  # the controller stops: a stream's last word (never sent)
+
+
 class ControllerService(pb_grpc.ControllerServicer):
     def __init__(self, controller: Controller):
         self.c = controller
@@ -256,7 +267,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                         watched[request.job, request.node] = self.c.watch(
                             request.job,
                             request.node,
-                            lambda r: loop.call_soon_threadsafe(outbox.put_nowait, r),
+                            lambda r: loop.call_soon_threadsafe(
+                                outbox.put_nowait, _HANG_UP if r is None else r
+                            ),
                         )
                     reply = self.c.report(request)
                     # Answer when there is news (orders, a new heartbeat), and every tenth
@@ -271,6 +284,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         reader = asyncio.create_task(read())
         try:
             while (reply := await outbox.get()) is not None:
+                if reply is _HANG_UP:
+                    return  # the controller stops: the stream ends cleanly, the node reconnects
                 await context.write(reply)
             await reader  # raises what ended the stream (an abort), if anything
         finally:
@@ -344,6 +359,8 @@ async def run(controller: Controller, server: grpc.aio.Server, stop: asyncio.Eve
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=min(0.25, controller.node_timeout / 4))
         controller.tick()
+    controller.hang_up()
+    await asyncio.sleep(0.05)  # the streams end on their own, not cancelled by the stop
     await server.stop(grace=1)
 
 

@@ -28,6 +28,8 @@ class AgentService(pb_grpc.AgentServicer):
         self.agent_id, self.shm_dir, self.node, self.metrics = agent_id, shm_dir, node, metrics
         self.default_tiers = list(tiers or [])
         self.jobs: dict[str, Job] = {}
+        # Trainers known only from a notice, not registered with this agent: (job, rank, pid).
+        self._unregistered: set[tuple[str, int, int]] = set()
 
     async def job(self, name: str, context) -> Job:
         try:
@@ -62,6 +64,7 @@ class AgentService(pb_grpc.AgentServicer):
         job.trainers.register(
             request.rank, request.pid, request.world_size, request.local_world_size
         )
+        self._unregistered.discard((job.name, request.rank, request.pid))
         log.info("job %s: rank %d registered (pid %d)", job.name, request.rank, request.pid)
         return pb.RegisterTrainerResponse(agent_id=self.agent_id, tiers=list(job.workers))
 
@@ -73,12 +76,14 @@ class AgentService(pb_grpc.AgentServicer):
             job.trainers.register(
                 request.rank, request.pid, request.world_size, request.local_world_size
             )
-            log.info("job %s: rank %d known from its notice (pid %d)", job.name, request.rank,
-                     request.pid)  # fmt: skip
+            self._unregistered.add((job.name, request.rank, request.pid))
+            log.info("job %s: rank %d known from its notice (pid %d); asked to register again "
+                     "for its tiers", job.name, request.rank, request.pid)  # fmt: skip
         if request.final:
             job.trainers.close(request.rank, (request.generation, request.step))
         job.wake()
-        return pb.SnapshotReadyResponse()
+        again = (job.name, request.rank, request.pid) in self._unregistered
+        return pb.SnapshotReadyResponse(register_again=again)
 
     async def GetTierStatus(self, request, context):
         job = await self.job(request.job, context)

@@ -18,6 +18,8 @@ import grpc
 
 from . import config
 from .errors import ConfigError, TierUnavailableError
+from .pidfile import holder
+from .proc import parent_and_state
 from .safe_paths import open_file, private_dir
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,11 @@ def socket_path(run_dir: Path, job: str) -> Path:
     )
 
 
+def agent_pid(run_dir: Path, job: str) -> int | None:
+    """The pid of the process holding the claim of the job's agent on this node, if any."""
+    return holder(run_dir / f"{job}.pid")
+
+
 class AgentClient:
     def __init__(self, job: str, run_dir: Path):
         from .proto import agent_pb2 as pb
@@ -53,6 +60,7 @@ class AgentClient:
         self.channel = grpc.insecure_channel(f"unix:{self.socket}")
         self.stub = pb_grpc.AgentStub(self.channel)
         self._inflight: list[grpc.Future] = []  # notices not yet answered
+        self._registration: Any = None  # the last RegisterTrainerRequest sent
         # Plain notices are sent from this thread: starting a grpc call costs milliseconds,
         # which save() must not wait for.
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-notify")
@@ -73,10 +81,12 @@ class AgentClient:
         return True
 
     def ready(self, timeout: float) -> bool:
+        ready = grpc.channel_ready_future(self.channel)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
             return True
         except grpc.FutureTimeoutError:
+            ready.cancel()  # else it polls on, and fails loudly once the channel is closed
             return False
 
     @classmethod
@@ -99,6 +109,27 @@ class AgentClient:
             raise TierUnavailableError(
                 f"no flashckpt agent answers on {client.socket}; start one with 'flashckpt-agent serve --job {job}'"
             )
+        deadline = time.monotonic() + timeout
+        spawned_at = None
+        while time.monotonic() < deadline:
+            # One that holds the claim (starting, busy, or stopped) is waited for, not doubled;
+            # one that died (its socket may stay) is replaced.
+            pid = agent_pid(run_dir, job)
+            if pid is None and (spawned_at is None or time.monotonic() - spawned_at > 10):
+                client._spawn(shm_dir, extra)
+                spawned_at = time.monotonic()
+            if client.listening() and client.ready(0.5):
+                if spawned_at is not None:
+                    log.info("started the flashckpt agent for job %s (log: %s)", job,
+                             run_dir / f"{job}.log")  # fmt: skip
+                return client
+            time.sleep(0.1)
+        client.close()
+        raise TierUnavailableError(client._not_answering(timeout))
+
+    def _spawn(self, shm_dir: Path, extra: tuple[str, ...]) -> None:
+        """Start the job's agent detached (with ``extra`` arguments), logging to its log."""
+        job, run_dir = self.job, self.run_dir
         logfile = open_file(run_dir / f"{job}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
                "--run-dir", str(run_dir), "--exit-when-idle",
@@ -115,16 +146,21 @@ class AgentClient:
             )
         finally:
             os.close(logfile)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if client.listening() and client.ready(0.5):
-                log.info(
-                    "started the flashckpt agent for job %s (log: %s)", job, run_dir / f"{job}.log"
-                )
-                return client
-            time.sleep(0.1)
-        raise TierUnavailableError(
-            f"the flashckpt agent for job {job} did not start within {timeout}s; see {run_dir / f'{job}.log'}"
+
+    def _not_answering(self, timeout: float) -> str:
+        """Why no agent answered within ``timeout`` seconds, and what to do."""
+        job, log_path = self.job, self.run_dir / f"{self.job}.log"
+        pid = agent_pid(self.run_dir, job)
+        if pid is None:
+            return (
+                f"the flashckpt agent for job {job} did not start within {timeout}s; see {log_path}"
+            )
+        state = parent_and_state(pid)[1]
+        how = "it is stopped: continue it with 'kill -CONT {0}', or" if state == "T" else "or"
+        return (
+            f"the flashckpt agent for job {job} (pid {pid}, state {state or 'gone'}) holds this "
+            f"node's claim but has not answered on {self.socket} for {timeout}s; "
+            f"{how.format(pid)} kill it ('kill -9 {pid}') and a new one starts; see {log_path}"
         )
 
     def register(
@@ -139,6 +175,7 @@ class AgentClient:
             tiers=tiers,
             shm_dir=str(shm_dir),
         )
+        self._registration = req  # sent again to an agent that replaced this one
         try:
             return list(self.stub.RegisterTrainer(req, timeout=30).tiers)
         except grpc.RpcError as exc:
@@ -164,7 +201,7 @@ class AgentClient:
         )  # fmt: skip
         if final:
             try:
-                self.stub.SnapshotReady(req, timeout=30)
+                self._answered(self.stub.SnapshotReady(req, timeout=30))
                 return True
             except grpc.RpcError as exc:
                 log.warning("the agent did not take the final step %d: %s", step, exc.details())
@@ -176,7 +213,27 @@ class AgentClient:
     def _send(self, req: Any) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
         with contextlib.suppress(Exception):
-            self._inflight.append(self.stub.SnapshotReady.future(req, timeout=5))
+            call = self.stub.SnapshotReady.future(req, timeout=5)
+            call.add_done_callback(self._on_answer)
+            self._inflight.append(call)
+
+    def _on_answer(self, call: grpc.Future) -> None:
+        with contextlib.suppress(Exception):  # not answered: the next notice asks again
+            reply = call.result()
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self._sender.submit(self._answered, reply)
+
+    def _answered(self, reply: Any) -> None:
+        """Register again with an agent that asks: one started after this trainer registered
+        (a replaced agent) knows the rank from its notices, but not the tiers it wants."""
+        if not reply.register_again or self._registration is None:
+            return
+        try:
+            self.stub.RegisterTrainer(self._registration, timeout=30)
+            log.info("rank %d registered again with the job's new agent", self._registration.rank)
+        except grpc.RpcError as exc:
+            log.warning("the job's new agent refused rank %d: %s (its snapshots stay in shared "
+                        "memory)", self._registration.rank, exc.details())  # fmt: skip
 
     def tier_status(self, timeout: float = 5) -> list:
         return list(

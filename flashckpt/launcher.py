@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import config, control
-from .agent_client import AgentClient
+from .agent_keeper import AgentKeeper
 from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
@@ -172,19 +172,6 @@ class NodeWatch(threading.Thread):
                 if parent_and_state(beat.pid)[0] == me}  # fmt: skip
 
 
-def keep_agent(job: str, run_dir: Path, shm_dir: Path, halt: threading.Event) -> None:
-    """Keep this node's agent up while the launcher runs (it reports the node to the
-    controller between restarts too); one that exits or crashes is started again."""
-    while not halt.is_set():
-        try:
-            if not AgentClient(job, run_dir).listening():
-                AgentClient.connect(job, run_dir, shm_dir,
-                                    extra=("--while-pid", str(os.getpid()))).close()  # fmt: skip
-        except Exception as exc:  # the launcher goes on without it: training does not need it
-            log.warning("the node agent of job %s cannot be started: %s", job, exc)
-        halt.wait(2.0)
-
-
 def controller_address(args) -> str:
     """FLASHCKPT_CONTROLLER, else the rendezvous host with the rendezvous port + 1 (any free
     port on 127.0.0.1 when standalone)."""
@@ -292,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     watch = NodeWatch(shm_dir, job, events, policy,
                       one_at_a_time=control.policy() == "in-process")  # fmt: skip
     watch.start()
-    threading.Thread(target=keep_agent, args=(job, run_dir, shm_dir, watch.halted), daemon=True,
+    keeper = AgentKeeper(job, run_dir, shm_dir)
+    threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
                      name="flashckpt-agent-keeper").start()  # fmt: skip
     started = time.monotonic()
     try:

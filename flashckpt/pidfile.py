@@ -9,6 +9,7 @@ open file description: a second claim from the same process is refused like any 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -44,6 +45,25 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def holder(path: Path) -> int | None:
+    """The pid of the process holding the claim on ``path`` now (the kernel's lock table
+    says, not the pid written in the file, which may be a dead owner's), None if nobody
+    holds it. Looking never takes the lock, so it never turns a claimant away."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            table = f.read().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table:
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <maj:min:inode> 0 EOF"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where:
+            with contextlib.suppress(ValueError):
+                return int(fields[4])
+    return None
 
 
 def lock_pidfile(path: Path) -> int:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x12\x66lashckpt.agent.v1\"\x8e\x01\n\x16RegisterTrainerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x0f\n\x07shm_dir\x18\x06 \x01(\t\x12\x18\n\x10local_world_size\x18\x07 \x01(\x05\":\n\x17RegisterTrainerResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05tiers\x18\x02 \x03(\t\"\x9d\x01\n\x14SnapshotReadyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x18\n\x10local_world_size\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x03\"\x17\n\x15SnapshotReadyResponse\"#\n\x14GetTierStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x02\n\nTierStatus\x12\x0b\n\x03url\x18\x01 \x01(\t\x12,\n\x05scope\x18\x02 \x01(\x0e\x32\x1d.flashckpt.agent.v1.TierScope\x12.\n\x06health\x18\x03 \x01(\x0e\x32\x1e.flashckpt.agent.v1.TierHealth\x12\x1b\n\x13last_committed_step\x18\x04 \x01(\x03\x12\x11\n\tlag_steps\x18\x05 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x62ytes_persisted\x18\x07 \x01(\x04\x12\x1b\n\x13snapshots_persisted\x18\x08 \x01(\x04\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1c\n\x14last_persist_seconds\x18\n \x01(\x01\x12\x1a\n\x12last_persist_bytes\x18\x0b \x01(\x04\x12!\n\x19last_committed_generation\x18\x0c \x01(\x03\"F\n\x15GetTierStatusResponse\x12-\n\x05tiers\x18\x01 \x03(\x0b\x32\x1e.flashckpt.agent.v1.TierStatus\"#\n\x14ListSnapshotsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x0eMemorySnapshot\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"E\n\tTierSteps\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x17\n\x0f\x63ommitted_steps\x18\x02 \x03(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"y\n\x15ListSnapshotsResponse\x12\x32\n\x06memory\x18\x01 \x03(\x0b\x32\".flashckpt.agent.v1.MemorySnapshot\x12,\n\x05tiers\x18\x02 \x03(\x0b\x32\x1d.flashckpt.agent.v1.TierSteps\"L\n\x13\x46\x65tchRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\x04step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"*\n\rRestoreSource\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"J\n\x14\x46\x65tchRestoreResponse\x12\x32\n\x07sources\x18\x01 \x03(\x0b\x32!.flashckpt.agent.v1.RestoreSource*S\n\tTierScope\x12\x1a\n\x16TIER_SCOPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTIER_SCOPE_NODE\x10\x01\x12\x15\n\x11TIER_SCOPE_SHARED\x10\x02*V\n\nTierHealth\x12\x1b\n\x17TIER_HEALTH_UNSPECIFIED\x10\x00\x12\x12\n\x0eTIER_HEALTH_OK\x10\x01\x12\x17\n\x13TIER_HEALTH_FAILING\x10\x02\x32\x88\x04\n\x05\x41gent\x12j\n\x0fRegisterTrainer\x12*.flashckpt.agent.v1.RegisterTrainerRequest\x1a+.flashckpt.agent.v1.RegisterTrainerResponse\x12\x64\n\rSnapshotReady\x12(.flashckpt.agent.v1.SnapshotReadyRequest\x1a).flashckpt.agent.v1.SnapshotReadyResponse\x12\x64\n\rGetTierStatus\x12(.flashckpt.agent.v1.GetTierStatusRequest\x1a).flashckpt.agent.v1.GetTierStatusResponse\x12\x64\n\rListSnapshots\x12(.flashckpt.agent.v1.ListSnapshotsRequest\x1a).flashckpt.agent.v1.ListSnapshotsResponse\x12\x61\n\x0c\x46\x65tchRestore\x12\'.flashckpt.agent.v1.FetchRestoreRequest\x1a(.flashckpt.agent.v1.FetchRestoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x12\x66lashckpt.agent.v1\"\x8e\x01\n\x16RegisterTrainerRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x0f\n\x07shm_dir\x18\x06 \x01(\t\x12\x18\n\x10local_world_size\x18\x07 \x01(\x05\":\n\x17RegisterTrainerResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\r\n\x05tiers\x18\x02 \x03(\t\"\x9d\x01\n\x14SnapshotReadyRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x18\n\x10local_world_size\x18\x07 \x01(\x05\x12\x12\n\ngeneration\x18\x08 \x01(\x03\"/\n\x15SnapshotReadyResponse\x12\x16\n\x0eregister_again\x18\x01 \x01(\x08\"#\n\x14GetTierStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x02\n\nTierStatus\x12\x0b\n\x03url\x18\x01 \x01(\t\x12,\n\x05scope\x18\x02 \x01(\x0e\x32\x1d.flashckpt.agent.v1.TierScope\x12.\n\x06health\x18\x03 \x01(\x0e\x32\x1e.flashckpt.agent.v1.TierHealth\x12\x1b\n\x13last_committed_step\x18\x04 \x01(\x03\x12\x11\n\tlag_steps\x18\x05 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x62ytes_persisted\x18\x07 \x01(\x04\x12\x1b\n\x13snapshots_persisted\x18\x08 \x01(\x04\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1c\n\x14last_persist_seconds\x18\n \x01(\x01\x12\x1a\n\x12last_persist_bytes\x18\x0b \x01(\x04\x12!\n\x19last_committed_generation\x18\x0c \x01(\x03\"F\n\x15GetTierStatusResponse\x12-\n\x05tiers\x18\x01 \x03(\x0b\x32\x1e.flashckpt.agent.v1.TierStatus\"#\n\x14ListSnapshotsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x0eMemorySnapshot\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"E\n\tTierSteps\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x17\n\x0f\x63ommitted_steps\x18\x02 \x03(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"y\n\x15ListSnapshotsResponse\x12\x32\n\x06memory\x18\x01 \x03(\x0b\x32\".flashckpt.agent.v1.MemorySnapshot\x12,\n\x05tiers\x18\x02 \x03(\x0b\x32\x1d.flashckpt.agent.v1.TierSteps\"L\n\x13\x46\x65tchRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\x04step\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"*\n\rRestoreSource\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"J\n\x14\x46\x65tchRestoreResponse\x12\x32\n\x07sources\x18\x01 \x03(\x0b\x32!.flashckpt.agent.v1.RestoreSource*S\n\tTierScope\x12\x1a\n\x16TIER_SCOPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTIER_SCOPE_NODE\x10\x01\x12\x15\n\x11TIER_SCOPE_SHARED\x10\x02*V\n\nTierHealth\x12\x1b\n\x17TIER_HEALTH_UNSPECIFIED\x10\x00\x12\x12\n\x0eTIER_HEALTH_OK\x10\x01\x12\x17\n\x13TIER_HEALTH_FAILING\x10\x02\x32\x88\x04\n\x05\x41gent\x12j\n\x0fRegisterTrainer\x12*.flashckpt.agent.v1.RegisterTrainerRequest\x1a+.flashckpt.agent.v1.RegisterTrainerResponse\x12\x64\n\rSnapshotReady\x12(.flashckpt.agent.v1.SnapshotReadyRequest\x1a).flashckpt.agent.v1.SnapshotReadyResponse\x12\x64\n\rGetTierStatus\x12(.flashckpt.agent.v1.GetTierStatusRequest\x1a).flashckpt.agent.v1.GetTierStatusResponse\x12\x64\n\rListSnapshots\x12(.flashckpt.agent.v1.ListSnapshotsRequest\x1a).flashckpt.agent.v1.ListSnapshotsResponse\x12\x61\n\x0c\x46\x65tchRestore\x12\'.flashckpt.agent.v1.FetchRestoreRequest\x1a(.flashckpt.agent.v1.FetchRestoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIERSCOPE']._serialized_start=1403
-  _globals['_TIERSCOPE']._serialized_end=1486
-  _globals['_TIERHEALTH']._serialized_start=1488
-  _globals['_TIERHEALTH']._serialized_end=1574
+  _globals['_TIERSCOPE']._serialized_start=1427
+  _globals['_TIERSCOPE']._serialized_end=1510
+  _globals['_TIERHEALTH']._serialized_start=1512
+  _globals['_TIERHEALTH']._serialized_end=1598
   _globals['_REGISTERTRAINERREQUEST']._serialized_start=36
   _globals['_REGISTERTRAINERREQUEST']._serialized_end=178
   _globals['_REGISTERTRAINERRESPONSE']._serialized_start=180
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOTREADYREQUEST']._serialized_start=241
   _globals['_SNAPSHOTREADYREQUEST']._serialized_end=398
   _globals['_SNAPSHOTREADYRESPONSE']._serialized_start=400
-  _globals['_SNAPSHOTREADYRESPONSE']._serialized_end=423
-  _globals['_GETTIERSTATUSREQUEST']._serialized_start=425
-  _globals['_GETTIERSTATUSREQUEST']._serialized_end=460
-  _globals['_TIERSTATUS']._serialized_start=463
-  _globals['_TIERSTATUS']._serialized_end=818
-  _globals['_GETTIERSTATUSRESPONSE']._serialized_start=820
-  _globals['_GETTIERSTATUSRESPONSE']._serialized_end=890
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=892
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=927
-  _globals['_MEMORYSNAPSHOT']._serialized_start=929
-  _globals['_MEMORYSNAPSHOT']._serialized_end=1009
-  _globals['_TIERSTEPS']._serialized_start=1011
-  _globals['_TIERSTEPS']._serialized_end=1080
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=1082
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=1203
-  _globals['_FETCHRESTOREREQUEST']._serialized_start=1205
-  _globals['_FETCHRESTOREREQUEST']._serialized_end=1281
-  _globals['_RESTORESOURCE']._serialized_start=1283
-  _globals['_RESTORESOURCE']._serialized_end=1325
-  _globals['_FETCHRESTORERESPONSE']._serialized_start=1327
-  _globals['_FETCHRESTORERESPONSE']._serialized_end=1401
-  _globals['_AGENT']._serialized_start=1577
-  _globals['_AGENT']._serialized_end=2097
+  _globals['_SNAPSHOTREADYRESPONSE']._serialized_end=447
+  _globals['_GETTIERSTATUSREQUEST']._serialized_start=449
+  _globals['_GETTIERSTATUSREQUEST']._serialized_end=484
+  _globals['_TIERSTATUS']._serialized_start=487
+  _globals['_TIERSTATUS']._serialized_end=842
+  _globals['_GETTIERSTATUSRESPONSE']._serialized_start=844
+  _globals['_GETTIERSTATUSRESPONSE']._serialized_end=914
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=916
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=951
+  _globals['_MEMORYSNAPSHOT']._serialized_start=953
+  _globals['_MEMORYSNAPSHOT']._serialized_end=1033
+  _globals['_TIERSTEPS']._serialized_start=1035
+  _globals['_TIERSTEPS']._serialized_end=1104
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=1106
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=1227
+  _globals['_FETCHRESTOREREQUEST']._serialized_start=1229
+  _globals['_FETCHRESTOREREQUEST']._serialized_end=1305
+  _globals['_RESTORESOURCE']._serialized_start=1307
+  _globals['_RESTORESOURCE']._serialized_end=1349
+  _globals['_FETCHRESTORERESPONSE']._serialized_start=1351
+  _globals['_FETCHRESTORERESPONSE']._serialized_end=1425
+  _globals['_AGENT']._serialized_start=1601
+  _globals['_AGENT']._serialized_end=2121
 # @@protoc_insertion_point(module_scope)

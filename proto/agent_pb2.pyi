@@ -72,8 +72,10 @@ class SnapshotReadyRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., final: _Optional[bool] = ..., pid: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class SnapshotReadyResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("register_again",)
+    REGISTER_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    register_again: bool
+    def __init__(self, register_again: _Optional[bool] = ...) -> None: ...
 
 class GetTierStatusRequest(_message.Message):
     __slots__ = ("job",)

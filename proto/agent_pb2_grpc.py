@@ -74,8 +74,9 @@ class AgentServicer:
 
     def SnapshotReady(self, request, context):
         """A snapshot was published READY in shared memory. Idempotent; trainers send it without
-        waiting for the answer, and the agent also finds READY slots by itself. It also registers
-        the trainer with an agent that was restarted after the trainer registered.
+        waiting for the answer, and the agent also finds READY slots by itself. An agent started
+        after the trainer registered (a replaced one) learns the rank from it and asks the trainer
+        to register again, for the tiers it wants.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import os
 from pathlib import Path
 from typing import Any
 
 from .. import control
 from ..errors import FlashCkptError
+from ..pidfile import holder
 from .common import (
     OK,
     PROBLEM,
@@ -42,18 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def agent_alive(pid_file: Path) -> bool:
-    """Whether a live agent holds ``pid_file`` (its claim is an exclusive flock)."""
-    try:
-        fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    """Whether a live agent holds ``pid_file`` (its claim is an exclusive flock; looking
+    never takes it, so a starting agent is never turned away)."""
+    return holder(pid_file) is not None
 
 
 def controller_view(run: Path, job: str) -> dict[str, Any] | None:

@@ -1,0 +1,93 @@
+"""The launcher's keeper of the node agent, against real agent processes: none yet, one
+killed (its socket left behind), one stopped (its claim held, nothing answering)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import wait_for
+
+from flashckpt import tier_io
+from flashckpt.agent_client import AgentClient, agent_pid
+from flashckpt.agent_keeper import AgentKeeper
+from flashckpt.errors import TierUnavailableError
+from flashckpt.pidfile import holder, lock_pidfile
+from flashckpt.proc import parent_and_state
+from flashckpt.sources import run_with_tier
+
+
+def test_the_claim_holder_is_read_from_the_lock_table_without_taking_the_lock(tmp_path):
+    path = tmp_path / "job.pid"
+    assert holder(path) is None  # no file
+    fd = lock_pidfile(path)
+    assert holder(path) == os.getpid()
+    os.close(fd)
+    assert path.read_text() == str(os.getpid()) and holder(path) is None  # a dead owner's pid
+    os.close(lock_pidfile(path))  # looking took no lock: the claim is still free
+
+
+def test_the_keeper_starts_the_agent_and_replaces_a_killed_or_stopped_one(shm_dir, run_dir):
+    keeper = AgentKeeper("keep", run_dir, shm_dir, stopped_s=0.5, silent_s=60)
+    assert keeper.check() == "started"
+    first = agent_pid(run_dir, "keep")
+    assert first is not None and keeper.check() == "ok"
+
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: agent_pid(run_dir, "keep") is None, what="the killed agent's claim freed")
+    assert (run_dir / "keep.sock").exists()  # left behind: a socket is no sign of life
+    assert keeper.check() == "started"
+    second = agent_pid(run_dir, "keep")
+    assert second not in (None, first) and keeper.check() == "ok"
+
+    os.kill(second, signal.SIGSTOP)
+    assert keeper.check() == "waiting"  # holds the claim, answers nothing: given a while
+    time.sleep(0.6)
+    assert keeper.check() == "replaced"
+    third = agent_pid(run_dir, "keep")
+    assert third not in (None, second) and parent_and_state(second)[1] == ""
+    assert keeper.check() == "ok"
+
+
+def test_a_trainer_waits_for_an_agent_holding_the_claim_and_says_how_to_free_it(shm_dir, run_dir):
+    AgentClient.connect("held", run_dir, shm_dir).close()
+    pid = agent_pid(run_dir, "held")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TierUnavailableError, match=rf"pid {pid}, state T.*kill -CONT {pid}"):
+            AgentClient.connect("held", run_dir, shm_dir, timeout=1.5)
+        assert agent_pid(run_dir, "held") == pid  # none started against its claim
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    AgentClient.connect("held", run_dir, shm_dir, timeout=10).close()  # it answers again
+    assert agent_pid(run_dir, "held") == pid
+
+
+def test_a_replaced_agent_gets_the_trainers_tiers_and_persistence_goes_on(
+    shm_dir, run_dir, tmp_path
+):
+    url, job = f"file://{tmp_path / 'tier'}", "replaced"
+    code = (
+        "import time, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer({url!r}, job={job!r})\n"
+        "t = torch.zeros(1024)\n"
+        "for step in range(100000):\n"
+        "    t.fill_(step); ck.save(step, {'t': t}); time.sleep(0.1)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
+    newest = lambda: max(run_with_tier(url, lambda t: tier_io.committed_steps(t, job)), default=-1)  # noqa: E731
+    try:
+        wait_for(lambda: newest() >= 2, what="steps committed by the first agent")
+        os.kill(agent_pid(run_dir, job), signal.SIGKILL)
+        wait_for(lambda: agent_pid(run_dir, job) is None, what="the killed agent gone")
+        before = newest()
+        assert AgentKeeper(job, run_dir, shm_dir).check() == "started"  # no tier of its own
+        wait_for(lambda: newest() > before + 3, what="the new agent to commit newer steps")
+        assert trainer.poll() is None
+    finally:
+        trainer.kill()
+        trainer.wait()
