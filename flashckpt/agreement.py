@@ -9,12 +9,16 @@ all bad. Going back from the newest step held starts a new branch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import group
+from .errors import TierUnavailableError
 from .lineage import Lineage, newest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,43 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
     known = {k: lin for h in held for k, lin in h.items()}
     lineage = newest(group.gather(newest(list(known.values()))))  # type: ignore[arg-type]
     mine = {s: (g, s) for g, s in known if lineage.holds(g, s)}
-    newest_held = max(group.gather(max(mine, default=-1)))  # type: ignore[type-var]
+    heads: list[int] = group.gather(max(mine, default=-1))  # type: ignore[assignment]
+    newest_held = max(heads)
     newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
+    unlisted = [(src.name, src.unlisted) for src in sources if getattr(src, "unlisted", "")]
+    blind = [names for names in group.gather(unlisted) if names]
     restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
+    if restored is None and step is None and blind:
+        # Starting over would abandon whatever the tier holds, and retention would then
+        # delete it: every rank stops here together instead.
+        name, why = blind[0][0]
+        raise TierUnavailableError(
+            f"job {job}: no step to restore, and tier {name} could not be listed ({why}), so "
+            "the job's steps there were not seen; make it reachable and restart, or leave it "
+            "out of the tiers to start over without it"
+        )
+    if step is None and restored is not None and restored < newest_held:
+        _warn_going_back(job, restored, newest_held, heads)
     if restored != newest_held and newest_held >= 0:
         # Going back (asked for, or past corrupt copies) starts a new branch: the steps saved
         # from here on are stored apart from the abandoned ones, and preferred.
         lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
     return Restored(restored, lineage, source, newest_held)
+
+
+def _warn_going_back(job: str, restored: int, newest_held: int, heads: list[int]) -> None:
+    """Say why a restore goes back past a step some ranks hold, when it is because other
+    ranks hold no copy of it (not because its copies are bad)."""
+    lacking = [rank for rank, head in enumerate(heads) if head < newest_held]
+    if not lacking:
+        return  # every rank held it: its copies were bad, as the warnings before say
+    log.warning(
+        "job %s: restoring step %d, the newest every rank holds, not step %d: ranks %s hold no "
+        "copy of it. Later saves start a new branch and steps after %d are abandoned. If the "
+        "job was restarted with more ranks than saved step %d, restart with as many as saved "
+        "it; a new rank restores only DDP replicas or DTensor shards of a step",
+        job, restored, newest_held, lacking, restored, newest_held,
+    )  # fmt: skip
 
 
 def _load_agreed(state: Mapping[str, Any], sources: list, held: list[dict],

@@ -196,6 +196,7 @@ class TierSource:
         self.world = group.world_size()
         self.together = together and parse_spec(url).scope.value == "shared"
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
+        self.unlisted = ""  # why the last listing failed: the tier may hold steps not seen
 
     def _listing(self) -> tier_io.Listing | None:
         try:
@@ -204,6 +205,7 @@ class TierSource:
             # Whatever keeps a tier from being listed, the restore goes on without it: raising
             # here on one rank would leave the others waiting in the step agreement.
             log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
+            self.unlisted = f"{type(exc).__name__}: {exc}"
             return None
 
     def snapshots(self, whole: bool = False) -> dict[Key, Lineage]:
@@ -212,6 +214,10 @@ class TierSource:
         belongs to. A rank the job that saved a step did not have (it grew) holds the step
         if another rank's copy is portable: replicas of the whole job, or DTensor shards."""
         listing = group.from_first(self._listing) if self.together else self._listing()
+        if listing is None:  # rank 0 says why, where it listed the tier for every rank
+            self.unlisted = self.unlisted or "the first rank could not list it"
+        else:
+            self.unlisted = ""
         out: dict[Key, Lineage] = {}
         stand_ins = []
         for k, c in (listing or {}).items():

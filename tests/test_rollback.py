@@ -4,12 +4,14 @@ abandoned branch."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from conftest import run_python, wait_for
 
 from flashckpt import Checkpointer, layout, tier_io
+from flashckpt.agreement import _warn_going_back
 from flashckpt.sources import run_with_tier
 
 
@@ -117,3 +119,14 @@ def test_only_a_job_that_starts_over_without_restore_is_warned(shm_dir, run_dir,
             return "saves step 0, but step 3 is committed already" in log.read_text()
 
         wait_for(warned, timeout=30, what="the agent's warning")
+
+
+def test_going_back_past_a_step_some_ranks_lack_is_warned_with_what_to_do(caplog):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.agreement"):
+        _warn_going_back("grown", 9, 19, [19, 19, 9])  # rank 2 joined; 10-19 saved by 2 ranks
+    assert "ranks [2] hold no copy of it" in caplog.text
+    assert "restart with as many as saved it" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashckpt.agreement"):
+        _warn_going_back("corrupt", 9, 19, [19, 19, 19])  # every rank held it: bad copies
+    assert caplog.text == ""

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, S3, wait_for
 from test_tiers import _unshare_works
 
-from flashckpt import Checkpointer, tier_io
+from flashckpt import Checkpointer, TierUnavailableError, tier_io
 from flashckpt.sources import run_with_tier
 
 RETRY_S = 2.0  # outage_retry_s in these tests
@@ -203,3 +203,25 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@S3
+def test_a_restore_with_nothing_found_refuses_to_start_over_while_a_tier_cannot_be_listed(
+    shm_dir, run_dir, s3_server, s3_bucket
+):
+    tier = f"s3://{s3_bucket}/run?retry_attempts=1"
+    with Checkpointer(tier, job="blind") as ck:
+        ck.save(3, {"t": torch.full((1024,), 3.0)})
+        ck.wait(3, tier=tier, timeout=60)
+    s3_server.stop()
+    restored = {"t": torch.zeros(1024)}
+    fresh = {"shm_dir": shm_dir / "fresh", "run_dir": run_dir / "fresh"}
+    try:
+        # Starting over would train from step 0 and let retention delete step 3 later.
+        refused = pytest.raises(TierUnavailableError, match=r"could not be listed .*reachable")
+        with Checkpointer(tier, job="blind", **fresh) as ck, refused:
+            ck.restore(restored)
+    finally:
+        s3_server.start()
+    with Checkpointer(tier, job="blind", **fresh) as ck:
+        assert ck.restore(restored) == 3 and float(restored["t"][0]) == 3.0
