@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import stat
 import subprocess
@@ -24,6 +25,8 @@ from .safe_paths import open_file, private_dir
 
 log = logging.getLogger(__name__)
 
+REVIVE_AFTER_S = 10.0
+"""How long a trainer's notices find no agent before the trainer starts one itself."""
 SOCKET_PATH_MAX = 107  # bytes: a unix socket address holds 108, the last one a NUL
 
 
@@ -61,6 +64,9 @@ class AgentClient:
         self.stub = pb_grpc.AgentStub(self.channel)
         self._inflight: list[grpc.Future] = []  # notices not yet answered
         self._registration: Any = None  # the last RegisterTrainerRequest sent
+        self._shm_dir: Path | None = None  # set by connect(): where a new agent reads slots
+        self._revived_at = -math.inf
+        self._gone_since: float | None = None  # since when notices find no agent
         # Plain notices are sent from this thread: starting a grpc call costs milliseconds,
         # which save() must not wait for.
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="flashckpt-notify")
@@ -103,6 +109,7 @@ class AgentClient:
         answers and ``spawn``."""
         private_dir(run_dir, "run_dir")
         client = cls(job, run_dir)
+        client._shm_dir = shm_dir
         if client.listening() and client.ready(0.5):
             return client
         if not spawn:
@@ -110,16 +117,23 @@ class AgentClient:
                 f"no flashckpt agent answers on {client.socket}; start one with 'flashckpt-agent serve --job {job}'"
             )
         deadline = time.monotonic() + timeout
-        spawned_at = None
+        spawned: subprocess.Popen | None = None
+        spawned_at, spawns = -math.inf, 0
         while time.monotonic() < deadline:
             # One that holds the claim (starting, busy, or stopped) is waited for, not doubled;
             # one that died (its socket may stay) is replaced.
             pid = agent_pid(run_dir, job)
-            if pid is None and (spawned_at is None or time.monotonic() - spawned_at > 10):
-                client._spawn(shm_dir, extra)
-                spawned_at = time.monotonic()
+            exited = None if spawned is None else spawned.poll()
+            if pid is None and exited is not None:
+                if exited >= 0 or spawns >= 3:  # it refused to start: no point in another
+                    client.close()
+                    raise TierUnavailableError(client._exited(exited))
+                spawned_at = -math.inf  # killed by a signal as it started: start another now
+            if pid is None and time.monotonic() - spawned_at > 10:
+                spawned = client._spawn(shm_dir, extra)
+                spawned_at, spawns = time.monotonic(), spawns + 1
             if client.listening() and client.ready(0.5):
-                if spawned_at is not None:
+                if spawns:
                     log.info("started the flashckpt agent for job %s (log: %s)", job,
                              run_dir / f"{job}.log")  # fmt: skip
                 return client
@@ -127,7 +141,7 @@ class AgentClient:
         client.close()
         raise TierUnavailableError(client._not_answering(timeout))
 
-    def _spawn(self, shm_dir: Path, extra: tuple[str, ...]) -> None:
+    def _spawn(self, shm_dir: Path, extra: tuple[str, ...]) -> subprocess.Popen:
         """Start the job's agent detached (with ``extra`` arguments), logging to its log."""
         job, run_dir = self.job, self.run_dir
         logfile = open_file(run_dir / f"{job}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -136,7 +150,7 @@ class AgentClient:
                str(config.setting_float("exit_when_idle", None, 30.0)), *extra]  # fmt: skip
         try:
             # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
-            subprocess.Popen(
+            return subprocess.Popen(
                 cmd,
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
@@ -146,6 +160,39 @@ class AgentClient:
             )
         finally:
             os.close(logfile)
+
+    def _exited(self, code: int) -> str:
+        """Why a spawned agent exited at start: the last line of its log."""
+        log_path = self.run_dir / f"{self.job}.log"
+        try:
+            with open(log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        last = lines[-1].strip() if lines else "(its log is empty)"
+        return (f"the flashckpt agent for job {self.job} exited at start (exit code {code}): "
+                f"{last}; see {log_path}")  # fmt: skip
+
+    def _revive(self) -> None:
+        """Start a new agent when the job's agent has been gone (it died; nothing holds its
+        claim) for REVIVE_AFTER_S, which leaves a supervisor (the launcher, systemd) the first
+        move; at most one start per REVIVE_AFTER_S. The new agent learns this rank from the
+        next notice, and its tiers from the registration that notice asks for."""
+        now = time.monotonic()
+        if agent_pid(self.run_dir, self.job) is not None:  # a new one is starting
+            self._gone_since = None
+            return
+        if self._gone_since is None:
+            self._gone_since = now
+        waited = now - max(self._gone_since, self._revived_at)
+        if self._shm_dir is None or waited < REVIVE_AFTER_S:
+            return
+        self._revived_at = now
+        log.warning("the node agent of job %s has been gone for %.0fs: starting a new one "
+                    "(log: %s)", self.job, now - self._gone_since,
+                    self.run_dir / f"{self.job}.log")  # fmt: skip
+        self._spawn(self._shm_dir, ())
 
     def _not_answering(self, timeout: float) -> str:
         """Why no agent answered within ``timeout`` seconds, and what to do."""
@@ -218,10 +265,19 @@ class AgentClient:
             self._inflight.append(call)
 
     def _on_answer(self, call: grpc.Future) -> None:
-        with contextlib.suppress(Exception):  # not answered: the next notice asks again
+        """A notice's answer: register again if asked; start a new agent if none listens."""
+        try:
             reply = call.result()
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                self._sender.submit(self._answered, reply)
+        except grpc.RpcError as exc:  # not answered: the next notice asks again
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    self._sender.submit(self._revive)
+            return
+        except Exception:
+            return
+        self._gone_since = None
+        with contextlib.suppress(RuntimeError):
+            self._sender.submit(self._answered, reply)
 
     def _answered(self, reply: Any) -> None:
         """Register again with an agent that asks: one started after this trainer registered

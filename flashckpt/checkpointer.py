@@ -70,6 +70,7 @@ class Checkpointer:
         self.run_dir = config.run_dir(run_dir, create=bool(tiers))  # only an agent uses it
         if tiers:
             socket_path(self.run_dir, self.job)  # one past the unix limit fails now
+            config.check_agent_settings()  # the agent this trainer may start reads them
         self.close_timeout = config.setting_float("close_timeout", close_timeout, 300.0)
         self.overlap = config.setting_bool("overlap", overlap, True)
         self.allow_pickle = config.check_flag("allow_pickle", allow_pickle)

@@ -146,6 +146,17 @@ def setting_bool(name: str, explicit: object = None, default: bool = False) -> b
     return _typed(name, explicit, default, _parse_bool)
 
 
+AGENT_NUMBERS = ("give_up_after", "kill_grace", "exit_when_idle")
+"""The number settings the node agent reads from the environment it is started with."""
+
+
+def check_agent_settings() -> None:
+    """Parse the settings the node agent will read: a bad one is a ConfigError where the
+    job starts, not an agent that exits at start with the reason in its log only."""
+    for name in AGENT_NUMBERS:
+        setting_float(name, None, 0.0)
+
+
 def check_flag(name: str, value: object) -> bool:
     """An argument that must be a real bool (a string like "no" would be truthy)."""
     if not isinstance(value, bool):

@@ -37,6 +37,7 @@ from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import Hang, HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, pages, read
+from .pidfile import PidFileBusy, lock_pidfile
 from .proc import parent_and_state
 from .safe_paths import private_dir
 
@@ -172,10 +173,27 @@ class NodeWatch(threading.Thread):
                 if parent_and_state(beat.pid)[0] == me}  # fmt: skip
 
 
+def launcher_pid_path(run_dir: Path, job: str) -> Path:
+    return run_dir / f"{job}.launcher.pid"
+
+
+def claim_job(run_dir: Path, job: str) -> int:
+    """Claim the job on this node for this launcher (held until it exits): a second launcher
+    of the same job here would take over the first one's agent and have its workers killed."""
+    try:
+        return lock_pidfile(launcher_pid_path(run_dir, job))
+    except PidFileBusy as busy:
+        raise FlashCkptError(
+            f"job {job!r} already runs on this node under flashckpt-run ({busy.holder()}); stop "
+            "it first, or give this run its own job name (--rdzv-id or FLASHCKPT_JOB)"
+        ) from None
+
+
 def controller_address(args) -> str:
     """FLASHCKPT_CONTROLLER, else the rendezvous host with the rendezvous port + 1 (any free
     port on 127.0.0.1 when standalone)."""
     if os.environ.get("FLASHCKPT_CONTROLLER"):
+        control.split_address(os.environ["FLASHCKPT_CONTROLLER"])  # host:port, or ConfigError
         return os.environ["FLASHCKPT_CONTROLLER"]
     if args.standalone or not args.rdzv_endpoint:
         return "127.0.0.1:0"
@@ -261,15 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         job = job_for(args)
         policy = HangPolicy.from_env()
+        restart_policy = control.policy()
+        config.check_agent_settings()  # the agent it keeps reads them
         shm_dir = config.shm_dir()
         run_dir = private_dir(config.run_dir(), "run_dir")
+        claim = claim_job(run_dir, job)
         events = EventLog(events_path(run_dir, job))
         controller = start_controller(args, job, run_dir, events)
     except FlashCkptError as exc:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if control.policy() == "in-process":
+    if restart_policy == "in-process":
         in_process(args, controller, events)
     os.environ["FLASHCKPT_JOB"] = job
     os.environ[EVENTS_ENV] = str(events.path)
@@ -277,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
                   hang_policy=policy.__dict__)  # fmt: skip
     watch = NodeWatch(shm_dir, job, events, policy,
-                      one_at_a_time=control.policy() == "in-process")  # fmt: skip
+                      one_at_a_time=restart_policy == "in-process")  # fmt: skip
     watch.start()
     keeper = AgentKeeper(job, run_dir, shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
@@ -294,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         if controller is not None:
             controller.stop()
         control.file_path(run_dir, job).unlink(missing_ok=True)
+        launcher_pid_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
+        os.close(claim)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 

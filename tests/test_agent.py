@@ -18,6 +18,7 @@ import torch
 from conftest import METRICS, ROOT, run_python, wait_for
 
 from flashckpt import Checkpointer, layout, tier_io
+from flashckpt.pidfile import holder
 from flashckpt.sources import TierSource, run_with_tier
 
 
@@ -126,6 +127,11 @@ def test_agent_sigkilled_mid_upload_commits_nothing_partial_and_a_new_agent_catc
     finally:
         trainer.kill()
         trainer.wait()
+        # Whichever agent holds the job now (the test's, or one the trainer started) finishes
+        # what it holds before the tier is read.
+        if (last := holder(run_dir / f"{job}.pid")) is not None:
+            os.kill(last, signal.SIGTERM)
+            wait_for(lambda: holder(run_dir / f"{job}.pid") is None, what="the agent to exit")
     steps = committed(url, job)
     out = run_python(
         "import torch; from flashckpt import Checkpointer\n"

@@ -383,3 +383,34 @@ def test_torchrun_standalone_reruns_get_the_same_job(shm_dir, tmp_path):
             next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("JOB"))
         )
     assert jobs[0] == jobs[1] == jobs[2] and jobs[0].startswith("train-")
+
+
+@pytest.mark.parametrize("name", config.AGENT_NUMBERS)
+def test_a_bad_agent_setting_fails_when_built_not_in_the_agents_log(
+    shm_dir, tmp_path, monkeypatch, name
+):
+    monkeypatch.setenv(f"FLASHCKPT_{name.upper()}", "abc")
+    with pytest.raises(ConfigError, match=f"FLASHCKPT_{name.upper()}='abc' is not valid"):
+        Checkpointer(f"file://{tmp_path}/tier", job="cfg", run_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"FLASHCKPT_KILL_GRACE": "abc"}, "FLASHCKPT_KILL_GRACE='abc' is not valid"),
+        ({"FLASHCKPT_EXIT_WHEN_IDLE": "x"}, "FLASHCKPT_EXIT_WHEN_IDLE='x' is not valid"),
+        (
+            {"FLASHCKPT_CONTROLLER": "nohost"},
+            "FLASHCKPT_CONTROLLER must be host:port, got 'nohost'",
+        ),
+    ],
+)
+def test_the_launcher_refuses_bad_settings_before_starting_anything(shm_dir, tmp_path, env, needle):
+    script = tmp_path / "never.py"
+    script.write_text("print('worker started')\n")
+    launcher = Path(sys.executable).parent / "flashckpt-run"
+    full = {**os.environ, "FLASHCKPT_RUN_DIR": str(tmp_path / "run"), **env}
+    proc = subprocess.run([str(launcher), "--standalone", "--nproc-per-node=1", str(script)],
+                          env=full, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1 and f"flashckpt-run: {needle}" in proc.stderr
+    assert "worker started" not in proc.stdout + proc.stderr

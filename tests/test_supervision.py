@@ -1,5 +1,7 @@
-"""The launcher's keeper of the node agent, against real agent processes: none yet, one
-killed (its socket left behind), one stopped (its claim held, nothing answering)."""
+"""A node's processes kept up, for real: the launcher's keeper starts the agent and replaces
+one killed (its socket left behind) or stopped (its claim held, nothing answering); a trainer
+restarts a dead agent itself when no launcher does, and is told at once why one exits at start;
+a second launcher of a job already running on the node is refused."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import wait_for
@@ -16,6 +19,7 @@ from flashckpt import tier_io
 from flashckpt.agent_client import AgentClient, agent_pid
 from flashckpt.agent_keeper import AgentKeeper
 from flashckpt.errors import TierUnavailableError
+from flashckpt.launcher import launcher_pid_path
 from flashckpt.pidfile import holder, lock_pidfile
 from flashckpt.proc import parent_and_state
 from flashckpt.sources import run_with_tier
@@ -91,3 +95,62 @@ def test_a_replaced_agent_gets_the_trainers_tiers_and_persistence_goes_on(
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_trainer_restarts_a_dead_agent_when_no_launcher_does(shm_dir, run_dir, tmp_path):
+    url, job = f"file://{tmp_path / 'tier'}", "revived"
+    code = (
+        "import time, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer({url!r}, job={job!r})\n"
+        "t = torch.zeros(1024)\n"
+        "for step in range(100000):\n"
+        "    t.fill_(step); ck.save(step, {'t': t}); time.sleep(0.1)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
+    newest = lambda: max(run_with_tier(url, lambda t: tier_io.committed_steps(t, job)), default=-1)  # noqa: E731
+    try:
+        wait_for(lambda: newest() >= 2, what="steps committed by the first agent")
+        first = agent_pid(run_dir, job)
+        os.kill(first, signal.SIGKILL)
+        before = newest()
+        wait_for(lambda: agent_pid(run_dir, job) not in (None, first), what="a new agent")
+        wait_for(lambda: newest() > before + 3, what="the new agent to commit newer steps")
+        assert trainer.poll() is None
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_an_agent_that_exits_at_start_is_reported_at_once_with_its_reason(
+    shm_dir, run_dir, monkeypatch
+):
+    # A setting only the agent reads (a Checkpointer checks them first; this path does not).
+    monkeypatch.setenv("FLASHCKPT_GIVE_UP_AFTER", "abc")
+    began = time.monotonic()
+    with pytest.raises(TierUnavailableError, match=r"exited at start .*FLASHCKPT_GIVE_UP_AFTER"):
+        AgentClient.connect("badstart", run_dir, shm_dir, timeout=60)
+    assert time.monotonic() - began < 20  # not the whole timeout
+
+
+LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
+
+
+def test_a_second_launcher_of_a_job_running_on_the_node_is_refused(shm_dir, run_dir, tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    cmd = [str(LAUNCHER), "--standalone", "--nproc-per-node=1", str(script)]
+    env = {**os.environ, "FLASHCKPT_JOB": "twice"}
+    first = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for(lambda: holder(launcher_pid_path(run_dir, "twice")) == first.pid,
+                 what="the first launcher's claim")  # fmt: skip
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert f"job 'twice' already runs on this node under flashckpt-run (pid {first.pid})" in (
+            second.stderr
+        )
+        assert first.poll() is None  # untouched
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
