@@ -213,6 +213,20 @@ def pages(shm_dir: Path, job: str) -> list[tuple[int, Beat]]:
     return out
 
 
+def remove_dead(shm_dir: Path, job: str) -> list[int]:
+    """Remove the pages of ``job`` whose process is gone (left by an earlier run: killed, or
+    its node restarted) and return their ranks. Only for one who knows no worker of the job
+    runs here yet, such as a launcher before its first workers start: a page left behind
+    would report a worker of an old run as failing in this one."""
+    from .pidfile import pid_alive
+
+    gone = [rank for rank, beat in pages(shm_dir, job) if not pid_alive(beat.pid)]
+    for rank in gone:
+        heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)
+        stacks_path(shm_dir, job, rank).unlink(missing_ok=True)
+    return gone
+
+
 def read(path: Path) -> Beat | None:
     """The page's current beat, or None if there is no valid page (missing, foreign, torn)."""
     try:

@@ -36,7 +36,7 @@ from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import Hang, HangPolicy, Watchdog
-from .heartbeat import Phase, heartbeat_path, pages, read
+from .heartbeat import Phase, heartbeat_path, pages, read, remove_dead
 from .pidfile import PidFileBusy, lock_pidfile
 from .proc import parent_and_state
 from .safe_paths import private_dir
@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         shm_dir = config.shm_dir()
         run_dir = private_dir(config.run_dir(), "run_dir")
         claim = claim_job(run_dir, job)
+        if stale := remove_dead(shm_dir, job):  # the job's only launcher here: none is ours
+            log.info("removed the heartbeat pages of ranks %s, left by an earlier run", stale)
         events = EventLog(events_path(run_dir, job))
         controller = start_controller(args, job, run_dir, events)
     except FlashCkptError as exc:

@@ -16,7 +16,16 @@ import torch
 from flashckpt import Checkpointer, ConfigError
 from flashckpt.events import EventLog, read_events
 from flashckpt.hang import Hang, HangPolicy, Watchdog
-from flashckpt.heartbeat import Beat, Heartbeat, Phase, heartbeat_path, read, stacks_path
+from flashckpt.heartbeat import (
+    Beat,
+    Heartbeat,
+    Phase,
+    heartbeat_path,
+    pages,
+    read,
+    remove_dead,
+    stacks_path,
+)
 from flashckpt.launcher import NodeWatch
 from flashckpt.proc import parent_and_state
 from flashckpt.report import render, summarize
@@ -238,3 +247,23 @@ def test_the_report_splits_lost_time_into_its_parts(tmp_path):
     assert report.lost_s() == pytest.approx(1.5 + 3.2 + 5.5 + 0.7 + 0.1)
     text = render(report)
     assert "1 failure" in text and "restored step 10" in text and "effective training time" in text
+
+
+def test_pages_left_by_dead_processes_are_removed_before_a_launcher_starts_workers(shm_dir):
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from flashckpt.heartbeat import Heartbeat, heartbeat_path, stacks_path\n"
+        "shm, job = Path(sys.argv[1]), 'stale'\n"
+        "(shm / job).mkdir(parents=True, exist_ok=True)\n"
+        "Heartbeat(heartbeat_path(shm, job, 2), stacks_path(shm, job, 2))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # an earlier run's rank 2, killed\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(shm_dir)], check=False, timeout=60)
+    live = Heartbeat(heartbeat_path(shm_dir, "stale", 0), stacks_path(shm_dir, "stale", 0))
+    try:
+        assert [rank for rank, _ in pages(shm_dir, "stale")] == [0, 2]
+        assert remove_dead(shm_dir, "stale") == [2]
+        assert [rank for rank, _ in pages(shm_dir, "stale")] == [0]  # a live one stays
+    finally:
+        live.close()
