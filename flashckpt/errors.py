@@ -32,7 +32,15 @@ class SharedMemoryError(FlashCkptError, OSError):
 
 
 class TierUnavailableError(FlashCkptError, OSError):
-    """A storage tier cannot be reached or written (network, permission, disk full)."""
+    """A storage tier cannot be reached or written (network, permission, disk full).
+
+    Raised as ``TierUnavailableError(errno, message)`` where the system's errno is known (it
+    stays in ``.errno``); its text is then the message alone, never ``[Errno N] ...``."""
+
+    def __str__(self) -> str:
+        if self.errno is not None and self.strerror:
+            return str(self.strerror)
+        return super().__str__()
 
 
 class ConfigError(FlashCkptError, ValueError):

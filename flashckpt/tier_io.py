@@ -101,10 +101,21 @@ async def _marker(tier, key: str) -> layout.CommitMarker | str:
     """The marker at ``key``, or why it cannot be had (a corrupt one does not hide the rest)."""
     source = f"{tier.spec.url}/{key}"
     try:
-        return layout.CommitMarker.from_json(await tier.get(key), source)
+        return layout.CommitMarker.from_json(_filled(await tier.get(key), source, "commit marker"),
+                                             source)  # fmt: skip
     except ManifestError as exc:
         log.warning("%s", exc)
         return str(exc)
+
+
+def _filled(raw: bytes, source: str, what: str) -> bytes:
+    """``raw`` read back from ``source``; an empty object is a ManifestError that says so."""
+    if not raw:
+        raise ManifestError(
+            f"{source}: the {what} is empty (0 bytes), so its write was cut short or the copy "
+            "is corrupt; restore from another tier or an older step"
+        )
+    return raw
 
 
 Listing = dict[tuple[int, int], CommittedStep | None]
@@ -176,7 +187,8 @@ async def read_manifest(tier, job: str, step: int, rank: int, generation: int = 
     the object otherwise."""
     mkey = layout.manifest_key(job, step, rank, generation)
     where = f"{tier.spec.url}/{mkey}"
-    manifest = Manifest.from_json(await tier.get(mkey), source=where, require_checksums=True)
+    raw = _filled(await tier.get(mkey), where, "manifest")
+    manifest = Manifest.from_json(raw, source=where, require_checksums=True)
     found = (manifest.job, manifest.step, manifest.rank, manifest.generation)
     if found != (job, step, rank, generation):
         raise ManifestError(

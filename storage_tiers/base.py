@@ -128,6 +128,13 @@ class Tier(abc.ABC):
                      len(doomed), prefix, _bytes(doomed))  # fmt: skip
         return doomed
 
+    async def check_location(self, create: bool = False) -> None:
+        """Raise an error that says what to do when the tier's root cannot be used: missing (a
+        directory; unless ``create``, for a tier about to be written), not a directory, or a
+        store that cannot be reached. A store whose prefixes need no creating (an object
+        store) passes with nothing under it: it is empty. The default checks nothing."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads."""

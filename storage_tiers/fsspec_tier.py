@@ -24,6 +24,7 @@ block size, default 8 MiB), ``max_concurrency`` (ranged reads in flight, default
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import posixpath
@@ -48,6 +49,7 @@ from .base import (
     temp_name,
     temp_target,
 )
+from .os_errors import ADVICE, explain, kind_of, not_a_file
 from .registry import POLICY_OPTIONS, is_secret, option
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,10 @@ T = TypeVar("T")
 PREFIX = "fsspec+"
 OWN_OPTIONS = frozenset(["commit", "part_size", "max_concurrency"])
 OBJECT_STORES = frozenset(["s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "tos"])
+PAGES = frozenset(["http", "https"])
+"""Protocols that call every path a file, directories too (a page listing links)."""
 MiB = 1 << 20
+_DONE = {"put": "written", "get": "read", "list": "read", "delete": "deleted", "clean": "cleaned"}
 
 
 def protocol_of(scheme: str) -> str:
@@ -168,11 +173,47 @@ class FsspecTier(Tier):
                 f"tier {self.spec.url} has no object {key!r} ({exc}); check the key, or "
                 "whether this snapshot was deleted"
             ) from None
-        except (PermissionError, ConnectionError, TimeoutError, OSError) as exc:
+        except NotImplementedError:
+            raise TierUnavailableError(
+                f"tier {self.spec.url}: its filesystem ({type(self.fs).__name__}) cannot do the "
+                f"{what} of {key!r}: it is read-only or lacks the operation; read from it only, "
+                "and save to a writable store (file:///dir, s3://bucket/prefix...)"
+            ) from None
+        except OSError as exc:
+            known = exc.errno in ADVICE and not isinstance(exc, (ConnectionError, TimeoutError))
+            if known:
+                raise explain(exc, self.spec.url, key, action=_DONE.get(what, what)) from exc
             raise TierUnavailableError(
                 f"tier {self.spec.url}: {what} of {key!r} failed: {type(exc).__name__}: {exc}; "
                 "check that the store is reachable, its credentials and its free space"
             ) from exc
+
+    async def check_location(self, create: bool = False) -> None:
+        try:
+            info = await self._run("list", "", self.fs.info, self.root)
+        except CheckpointNotFoundError:
+            if create or self.protocol in OBJECT_STORES:
+                return  # a prefix nothing is stored under yet: empty
+            raise TierUnavailableError(
+                errno.ENOENT,
+                f"{self.spec.url}: there is nothing at {self.root} (no such directory, or a "
+                "store that cannot be reached); check the URL and that the store is up",
+            ) from None
+        kind = info.get("type")
+        if kind != "directory" and self.protocol not in OBJECT_STORES | PAGES:
+            raise TierUnavailableError(
+                errno.ENOTDIR,
+                f"{self.spec.url}: {self.root} is {_kind(info)}, not a directory; point the tier "
+                "at a directory",
+            )
+
+    async def _info(self, key: str, path: str) -> dict[str, Any]:
+        """``path``'s details, which must be those of a regular file (a FIFO or a device read
+        as an object could block forever)."""
+        info = await self._run("get", key, self.fs.info, path)
+        if info.get("type", "file") != "file":
+            raise not_a_file(self.spec.url, key, path, _kind(info))
+        return info
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -232,17 +273,18 @@ class FsspecTier(Tier):
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         path = self._path(check_key(key))
         # Clamped like a slice: filesystems differ at the ends (S3 refuses a range past them).
-        size = await self._run("get", key, self.fs.size, path)
-        end = size if end is None else min(end, size)
-        if end <= start:
+        size = (await self._info(key, path)).get("size")
+        if size is not None:
+            end = size if end is None else min(end, size)
+        if end is not None and end <= start:
             return b""
         return await self._run("get", key, self.fs.cat_file, path, start=start, end=end)
 
     async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
         path = self._path(check_key(key))
         view = out if out.format == "B" and out.ndim == 1 else out.cast("B")
+        await self._info(key, path)
         if not len(view):
-            await self._run("get", key, self.fs.info, path)
             return
         slots = asyncio.Semaphore(self.max_concurrency)
 
@@ -314,6 +356,16 @@ class FsspecTier(Tier):
 
     async def close(self) -> None:
         """Nothing to release: the filesystem object is dropped with the tier."""
+
+
+def _kind(info: dict[str, Any]) -> str:
+    """What a path whose details are ``info`` is, in words."""
+    mode = info.get("mode")
+    if isinstance(mode, int) and (kind := kind_of(mode)):
+        return kind
+    kind = info.get("type")
+    words = {"directory": "a directory", "file": "a file"}
+    return words.get(kind, f"not a regular file (type {kind!r})")
 
 
 def _commit_mode(text: str) -> str:

@@ -11,7 +11,6 @@ import errno
 import logging
 import os
 import shutil
-import stat
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -30,6 +29,7 @@ from .base import (
     temp_name,
     temp_target,
 )
+from .os_errors import explain, kind_of, not_a_file
 from .registry import mode_option
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,6 @@ T = TypeVar("T")
 
 COALESCE_BYTES = 1 << 20
 """Chunks smaller than this are gathered into one write; larger ones go straight from their view."""
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class PosixTier(Tier):
@@ -63,28 +60,38 @@ class PosixTier(Tier):
     # -- errors ------------------------------------------------------------------------------
 
     def _translate(self, exc: OSError, key: str, size: int, action: str = "written") -> OSError:
-        """Turn disk-full and permission errors into TierUnavailableError that says what to do."""
-        if exc.errno in _FULL:
+        """An OSError in words that say what it means for the tier and what to do."""
+        return explain(exc, self.spec.url, key, size, action, self.root)
+
+    async def check_location(self, create: bool = False) -> None:
+        await asyncio.to_thread(self._check_root, create)
+
+    def _check_root(self, create: bool) -> None:
+        here = self.root
+        while True:
             try:
-                st = os.statvfs(self.root)
-                free = f"{st.f_bavail * st.f_frsize} bytes are free"
-            except OSError:
-                free = "free space unknown"
-            return TierUnavailableError(
-                exc.errno,
-                f"tier directory {self.root} is full ({os.strerror(exc.errno)}): writing "
-                f"{key!r} needed {size} bytes and {free}; free space there, or keep fewer "
-                "snapshots (lower keep_last / keep_every)",
-            )
-        if exc.errno in _DENIED:
-            where = exc.filename or self.root
-            return TierUnavailableError(
-                exc.errno,
-                f"tier directory {self.root} cannot be {action}: {os.strerror(exc.errno)} on "
-                f"{where} (expected it to be {action} for {key!r}); fix its permissions or "
-                "mount, or point the tier elsewhere",
-            )
-        return exc
+                st = os.stat(here)
+            except NotADirectoryError:
+                here = here.parent  # a file on the way: the walk up names it
+                continue
+            except FileNotFoundError:
+                if not create:
+                    raise TierUnavailableError(
+                        errno.ENOENT,
+                        f"{self.spec.url}: there is no directory {self.root}; check the path",
+                    ) from None
+                here = here.parent  # made by the first put: what is above must be a directory
+                continue
+            except OSError as exc:
+                raise self._translate(exc, "", 0, "read") from None
+            kind = kind_of(st.st_mode) or "a regular file"
+            if kind != "a directory":
+                raise TierUnavailableError(
+                    errno.ENOTDIR,
+                    f"{self.spec.url}: {here} is {kind}, not a directory; point the tier at a "
+                    "directory" + (" (a missing one is created)" if create else ""),
+                )
+            return
 
     # -- put ---------------------------------------------------------------------------------
 
@@ -146,22 +153,27 @@ class PosixTier(Tier):
     # -- get ---------------------------------------------------------------------------------
 
     def _open_read(self, key: str) -> int:
+        """An fd of ``key``'s file, which must be a regular file: anything else (a FIFO, a
+        device, a socket, a symlink to one) is refused unread, never waited on."""
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            kind = kind_of(os.stat(path).st_mode)
+            # Non-blocking: what stands there may change between the stat and the open.
+            fd = None if kind else os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            found = "nothing"
-        except PermissionError as exc:
+            raise CheckpointNotFoundError(
+                f"tier {self.spec.url} has no object {key!r}: expected the file {path}, found "
+                "nothing there; check the key, or whether this snapshot was deleted"
+            ) from None
+        except OSError as exc:
             raise self._translate(exc, key, 0, "read") from exc
-        else:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            kind = kind_of(os.fstat(fd).st_mode)
+            if not kind:
+                os.set_blocking(fd, True)
                 return fd
             os.close(fd)
-            found = "a directory"
-        raise CheckpointNotFoundError(
-            f"tier {self.spec.url} has no object {key!r}: expected the file {path}, found "
-            f"{found} there; check the key, or whether this snapshot was deleted"
-        )
+        raise not_a_file(self.spec.url, key, path, kind)
 
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return await asyncio.to_thread(self._get, key, start, end)
@@ -356,7 +368,9 @@ def _make_dirs(parent: Path, mode: int) -> None:
         try:
             os.mkdir(d, mode)
         except FileExistsError:
-            continue  # made by a concurrent put
+            if d.is_dir():
+                continue  # made by a concurrent put
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d)) from None
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept

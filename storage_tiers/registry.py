@@ -221,14 +221,27 @@ def _split(url: str) -> tuple[str, str, str]:
     match = _SCHEME.match(url)
     scheme, rest = (match.group(1).lower(), match.group(2)) if match else ("file", url)
     location, _, query = rest.partition("?")
-    if location.startswith("//"):
+    if match and location.startswith("//"):  # a plain path keeps its leading "//"
         location = location[2:]
     return scheme, location, query
 
 
-def _resolve_path(location: str, url: str) -> str:
-    if location.startswith("localhost/"):
-        location = location[len("localhost") :]
+_NOT_A_HOST = ("", "localhost", ".", "..", "~")
+"""What may stand between ``file://`` and the next ``/``: nothing (``file:///dir``), this
+machine, or the start of a path meant as one (``file://./ckpt``, ``file://~/ckpt``)."""
+
+
+def _resolve_path(scheme: str, location: str, url: str) -> str:
+    if url.strip().lower().startswith(f"{scheme}://"):
+        host, slash, path = location.partition("/")
+        if host.lower() not in _NOT_A_HOST:
+            raise ConfigError(
+                f"tier URL {redact(url)!r} names the host {host!r}, but {scheme}:// tiers are "
+                f"directories of this machine; did you mean {scheme}:///{location}? (three "
+                f"slashes: {scheme}:///abs/path; a relative one: {scheme}://./rel/path)"
+            )
+        if host.lower() == "localhost":
+            location = slash + path
     if location == "":
         raise ConfigError(
             f"tier URL {redact(url)!r} names no directory: expected e.g. file:///mnt/ckpt"
@@ -255,7 +268,7 @@ def parse_spec(url: str, **options: object) -> TierSpec:
     merged.update({k: _option_text(v) for k, v in options.items() if v is not None})
     scope = _scope(merged.pop("scope", ""), entry.default_scope)
     if entry.path_like:
-        location = _resolve_path(location, url)
+        location = _resolve_path(scheme, location, url)
     elif entry.raw_location:
         location = location.rstrip("/") or location
         if location.strip("/") == "":
@@ -310,9 +323,32 @@ def mode_option(spec: TierSpec, name: str) -> int:
     return option(spec, name, default, parse, expected + "gives others no write access")
 
 
+READ_ONLY_PROTOCOLS = frozenset(
+    ["http", "https", "github", "gist", "tar", "zip", "libarchive", "data", "reference"]
+)
+"""fsspec protocols that can only be read (or cannot remove what they hold): a tier on one
+is fine to read from, never to save to."""
+
+
+def check_writable(url: str) -> None:
+    """ConfigError when ``url`` names a tier that cannot be written (``http://`` and the other
+    read-only fsspec filesystems), for where a tier is saved or restored to."""
+    spec = parse_spec(url)
+    protocol = spec.scheme.removeprefix("fsspec+")
+    if _entry(spec.scheme) is FSSPEC and protocol in READ_ONLY_PROTOCOLS:
+        raise ConfigError(
+            f"tier {spec.url} cannot be written: fsspec's {protocol}:// filesystem is read-only "
+            "(it cannot store or remove objects); read from it (flashckpt ls, verify, restore, "
+            "export, flashckpt.load) and save to a writable tier (file:///dir, pfs:///dir, "
+            "s3://bucket/prefix...)"
+        )
+
+
 def check_installed(url: str) -> None:
-    """ImportError naming what to install when ``url``'s tier needs a package that is missing;
-    nothing is imported (a trainer only names tiers its agent opens)."""
+    """ImportError naming what to install when ``url``'s tier needs a package that is missing,
+    ConfigError when the tier cannot be written (a trainer's tiers are saved to); nothing is
+    imported (a trainer only names tiers its agent opens)."""
+    check_writable(url)
     spec = parse_spec(url)
     entry = _entry(spec.scheme)
     needed: list[tuple[str, str]] = []  # (module, what to run)

@@ -150,12 +150,24 @@ def one_line(text: str) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """An exception as one line a user can act on."""
-    text = str(exc) or exc.__class__.__name__
-    if isinstance(exc, PermissionError):
-        text = f"{text}; check the permissions or run as the user that owns it"
-    elif isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        text = f"{text}; pick another port, or stop what listens on it"
+    """An exception as one line a user can act on: an OSError straight from the system (not
+    one flashckpt worded) says what its errno means and what to do, never a bare
+    ``[Errno N]``; one without a message says what failed."""
+    from ..errors import FlashCkptError
+    from ..storage_tiers.os_errors import advice
+
+    text = str(exc)
+    if isinstance(exc, OSError) and not isinstance(exc, FlashCkptError):
+        if exc.errno == errno.EADDRINUSE:
+            text = f"{exc.strerror}; pick another port, or stop what listens on it"
+        elif (said := advice(exc)) is not None:
+            text = said
+        elif exc.errno is not None and exc.strerror:
+            on = f" on {exc.filename}" if exc.filename else ""
+            text = f"{exc.strerror}{on}; check that path and its filesystem"
+    if not text.strip():
+        text = (f"an operation failed with {type(exc).__name__} and no explanation; run again "
+                "with --debug to see where, and report it if the cause is not clear")  # fmt: skip
     return one_line(text)
 
 

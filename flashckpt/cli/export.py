@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import asdict
+from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, ConfigError, PickleNotAllowedError
 from ..export import DEFAULT_MAX_SHARD_SIZE, FORMATS, export, parse_size
@@ -72,6 +73,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weights_only=False to be read)")  # fmt: skip
 
 
+def _check_to(to: str) -> None:
+    """``--to`` must lie under directories: a file (or a FIFO, a device) standing where one of
+    its parents must be is a usage error now, before the step is read."""
+    from ..storage_tiers.os_errors import kind_of
+
+    for parent in Path(to).expanduser().absolute().parents:  # the nearest first
+        try:
+            mode = parent.stat().st_mode
+        except FileNotFoundError:
+            continue  # created by the export
+        except OSError as exc:
+            raise Problem(f"--to {to}: {describe_error(exc)}") from exc
+        kind = kind_of(mode) or "a regular file"
+        if kind != "a directory":
+            raise UsageError(f"--to {to}: {parent} is {kind}, not a directory; name a path "
+                             "whose parents are directories (missing ones are created)")  # fmt: skip
+        return
+
+
 async def _job(url: str, named: str | None) -> str:
     async with TierLocation(url) as loc:
         return await job_at(loc, named)
@@ -82,6 +102,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if url == SHM:
         raise UsageError("export reads a tier; copy the step out of shared memory first with "
                          "'flashckpt restore shm --to DIR', then export from file://DIR")  # fmt: skip
+    _check_to(args.to)
     job = asyncio.run(_job(url, chosen_job(args)))
     with Progress(f"exporting {args.format}") as progress:
 

@@ -28,13 +28,13 @@ from typing import Any
 
 from .. import config, tier_io
 from ..agent_client import socket_path
-from ..errors import FlashCkptError
+from ..errors import ConfigError, FlashCkptError
 from ..events import events_path
 from ..heartbeat import Phase, pages
 from ..pidfile import PidFileBusy, lock_pidfile, pid_alive
 from ..slots import free_rank, owner_path, unowned
 from ..storage_tiers.base import TEMP_GRACE_S
-from ..storage_tiers.registry import option
+from ..storage_tiers.registry import check_writable, option
 from .common import (
     OK,
     SHM,
@@ -213,6 +213,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
                              "step always stays)")  # fmt: skip
         if args.logs:
             raise UsageError("--logs is for 'gc shm' only")
+        if not args.dry_run:
+            try:
+                check_writable(url)  # removing needs a tier that can remove
+            except ConfigError as exc:
+                raise UsageError(f"{exc} (--dry-run lists what would go)") from exc
         doc = asyncio.run(_tier_gc(args, url))
         out.line(f"job {doc['job']} in {doc['location']}: {verb} {len(doc['removed'])} "
                  f"step(s), kept {len(doc['kept'])}")  # fmt: skip

@@ -81,12 +81,13 @@ class TierLocation:
 
     async def __aenter__(self) -> TierLocation:
         from ..storage_tiers import open_tier
-        from ..storage_tiers.posix import PosixTier
 
         self.tier = open_tier(self.url)
-        if isinstance(self.tier, PosixTier) and not self.tier.root.is_dir():
+        try:  # a directory that is not there, a root that is a file, a store out of reach
+            await self.tier.check_location()
+        except (FlashCkptError, OSError) as exc:
             await self.tier.close()
-            raise Problem(f"{self.shown}: there is no directory {self.tier.root}; check the path")
+            raise Problem(describe_error(exc)) from exc
         return self
 
     async def __aexit__(self, *exc: object) -> None:

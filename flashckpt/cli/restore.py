@@ -222,10 +222,23 @@ async def _rank(rank: int, sources: list, job: str, target, progress: Progress,
             "skipped": failures}  # fmt: skip
 
 
+async def _tier_target(dest: str, stack: contextlib.AsyncExitStack) -> _TierTarget:
+    """The tier ``--to`` names, checked before anything is read: its root must be a directory
+    or be creatable as one, and its store reachable."""
+    target = _TierTarget(dest)
+    stack.push_async_callback(target.tier.close)
+    try:
+        await target.tier.check_location(create=True)
+    except (FlashCkptError, OSError) as exc:
+        raise Problem(f"--to: {describe_error(exc)}") from exc
+    return target
+
+
 async def _restore(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dest = args.to
     SECRETS.learn(dest)
     async with contextlib.AsyncExitStack() as stack:
+        tier_target = None if dest == SHM else await _tier_target(dest, stack)
         job, step, sources = await _sources(args, stack, out)
         c = sources[0][2]
         ranks = [args.rank] if args.rank is not None else list(range(c.world_size))
@@ -236,8 +249,7 @@ async def _restore(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             target: Any = _ShmTarget(config.shm_dir(getattr(args, "shm_dir", None)), job, ranks)
             sources = [s for s in sources if s[0].url != SHM]
         else:
-            target = _TierTarget(dest)
-            stack.push_async_callback(target.tier.close)
+            target = tier_target
         ok = False
         try:
             limit = asyncio.Semaphore(RANKS_IN_FLIGHT)
@@ -256,10 +268,10 @@ async def _restore(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     if args.to != SHM:
-        from ..storage_tiers import parse_spec
+        from ..storage_tiers.registry import check_writable
 
         try:
-            parse_spec(args.to)
+            check_writable(args.to)  # parses it too
         except (ConfigError, ImportError) as exc:
             raise UsageError(f"--to: {describe_error(exc)}") from exc
     doc = asyncio.run(_restore(args, out))

@@ -266,7 +266,12 @@ async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progr
     report.generation = key[0]
     for problem in c.problems:
         report.problem("commit", problem)
-    if not c.complete:
+    if not c.world_size:  # no marker could be read: none names a rank or a world size
+        report.problem("commit", f"{loc.shown} step {key[1]}: none of its commit markers can be "
+                       "read (each is empty or corrupt, see above), so no rank of it is "
+                       "committed; a restore cannot use this step, restore an older one or "
+                       "from another tier")  # fmt: skip
+    elif not c.complete:
         report.problem("commit", f"{loc.shown} step {key[1]}: only ranks {sorted(c.ranks)} of "
                        f"{c.world_size} are committed; a restore cannot use this step")  # fmt: skip
     ranks = sorted(c.ranks)
