@@ -5,11 +5,13 @@ a second launcher of a job already running on the node is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -71,54 +73,47 @@ def test_a_trainer_waits_for_an_agent_holding_the_claim_and_says_how_to_free_it(
     assert agent_pid(run_dir, "held") == pid
 
 
+@contextlib.contextmanager
+def saving(tier: Path, job: str) -> Iterator[Callable[[], int]]:
+    """A trainer saving a step every 0.1 s to the file tier at ``tier`` while the block runs;
+    yields how to read the newest step committed there. It must still be training after."""
+    url = f"file://{tier}"
+    code = (
+        "import time, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer({url!r}, job={job!r})\n"
+        "t = torch.zeros(1024)\n"
+        "for step in range(100000):\n"
+        "    t.fill_(step); ck.save(step, {'t': t}); time.sleep(0.1)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
+    try:
+        yield lambda: max(run_with_tier(url, lambda t: tier_io.committed_steps(t, job)), default=-1)
+        assert trainer.poll() is None
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
 def test_a_replaced_agent_gets_the_trainers_tiers_and_persistence_goes_on(
     shm_dir, run_dir, tmp_path
 ):
-    url, job = f"file://{tmp_path / 'tier'}", "replaced"
-    code = (
-        "import time, torch; from flashckpt import Checkpointer\n"
-        f"ck = Checkpointer({url!r}, job={job!r})\n"
-        "t = torch.zeros(1024)\n"
-        "for step in range(100000):\n"
-        "    t.fill_(step); ck.save(step, {'t': t}); time.sleep(0.1)\n"
-    )
-    trainer = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
-    newest = lambda: max(run_with_tier(url, lambda t: tier_io.committed_steps(t, job)), default=-1)  # noqa: E731
-    try:
+    with saving(tmp_path / "tier", "replaced") as newest:
         wait_for(lambda: newest() >= 2, what="steps committed by the first agent")
-        os.kill(agent_pid(run_dir, job), signal.SIGKILL)
-        wait_for(lambda: agent_pid(run_dir, job) is None, what="the killed agent gone")
+        os.kill(agent_pid(run_dir, "replaced"), signal.SIGKILL)
+        wait_for(lambda: agent_pid(run_dir, "replaced") is None, what="the killed agent gone")
         before = newest()
-        assert AgentKeeper(job, run_dir, shm_dir).check() == "started"  # no tier of its own
+        assert AgentKeeper("replaced", run_dir, shm_dir).check() == "started"  # no tier given
         wait_for(lambda: newest() > before + 3, what="the new agent to commit newer steps")
-        assert trainer.poll() is None
-    finally:
-        trainer.kill()
-        trainer.wait()
 
 
 def test_a_trainer_restarts_a_dead_agent_when_no_launcher_does(shm_dir, run_dir, tmp_path):
-    url, job = f"file://{tmp_path / 'tier'}", "revived"
-    code = (
-        "import time, torch; from flashckpt import Checkpointer\n"
-        f"ck = Checkpointer({url!r}, job={job!r})\n"
-        "t = torch.zeros(1024)\n"
-        "for step in range(100000):\n"
-        "    t.fill_(step); ck.save(step, {'t': t}); time.sleep(0.1)\n"
-    )
-    trainer = subprocess.Popen([sys.executable, "-c", code], env=os.environ)
-    newest = lambda: max(run_with_tier(url, lambda t: tier_io.committed_steps(t, job)), default=-1)  # noqa: E731
-    try:
+    with saving(tmp_path / "tier", "revived") as newest:
         wait_for(lambda: newest() >= 2, what="steps committed by the first agent")
-        first = agent_pid(run_dir, job)
+        first = agent_pid(run_dir, "revived")
         os.kill(first, signal.SIGKILL)
         before = newest()
-        wait_for(lambda: agent_pid(run_dir, job) not in (None, first), what="a new agent")
+        wait_for(lambda: agent_pid(run_dir, "revived") not in (None, first), what="a new agent")
         wait_for(lambda: newest() > before + 3, what="the new agent to commit newer steps")
-        assert trainer.poll() is None
-    finally:
-        trainer.kill()
-        trainer.wait()
 
 
 def test_an_agent_that_exits_at_start_is_reported_at_once_with_its_reason(
