@@ -86,14 +86,17 @@ class AgentClient:
             )
         return True
 
-    def ready(self, timeout: float) -> bool:
-        ready = grpc.channel_ready_future(self.channel)
+    def answers(self, timeout: float) -> bool:
+        """Whether the agent answers a request within ``timeout`` seconds: its event loop
+        runs, not merely its socket (a stopped agent's socket still takes connections)."""
         try:
-            ready.result(timeout=timeout)
-            return True
-        except grpc.FutureTimeoutError:
-            ready.cancel()  # else it polls on, and fails loudly once the channel is closed
-            return False
+            self.tier_status(timeout=timeout)
+        except grpc.RpcError as exc:
+            return exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return True
 
     @classmethod
     def connect(
@@ -110,7 +113,7 @@ class AgentClient:
         private_dir(run_dir, "run_dir")
         client = cls(job, run_dir)
         client._shm_dir = shm_dir
-        if client.listening() and client.ready(0.5):
+        if client.listening() and client.answers(0.5):
             return client
         if not spawn:
             raise TierUnavailableError(
@@ -132,7 +135,7 @@ class AgentClient:
             if pid is None and time.monotonic() - spawned_at > 10:
                 spawned = client._spawn(shm_dir, extra)
                 spawned_at, spawns = time.monotonic(), spawns + 1
-            if client.listening() and client.ready(0.5):
+            if client.listening() and client.answers(0.5):
                 if spawns:
                     log.info("started the flashckpt agent for job %s (log: %s)", job,
                              run_dir / f"{job}.log")  # fmt: skip

@@ -19,8 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
 from .agent_client import AgentClient, agent_pid
 from .proc import parent_and_state
 
@@ -28,15 +26,6 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 1.0
 ANSWER_WITHIN_S = 2.0
-
-
-def answers(client: AgentClient, timeout: float = ANSWER_WITHIN_S) -> bool:
-    """Whether the agent behind ``client`` answers a request within ``timeout`` seconds."""
-    try:
-        client.tier_status(timeout=timeout)
-    except grpc.RpcError as exc:
-        return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-    return True
 
 
 class AgentKeeper:
@@ -55,7 +44,7 @@ class AgentKeeper:
         for long), "started" (there was none) or "replaced" (it was killed for a new one)."""
         client = AgentClient(self.job, self.run_dir)
         try:
-            if client.listening() and answers(client):
+            if client.listening() and client.answers(ANSWER_WITHIN_S):
                 self._silent_since = None
                 return "ok"
         finally:

@@ -103,9 +103,9 @@ def _agent_view(run: Path, job: str) -> dict[str, Any]:
             raise Problem(f"no flashckpt agent runs for job {job} on this node (no socket "
                           f"{client.socket}); a trainer that names a tier starts one, or run "
                           f"'flashckpt-agent serve --job {job}'")  # fmt: skip
-        if not client.ready(2.0):
-            raise Problem(f"the agent socket {client.socket} does not answer: its agent is gone; "
-                          "'flashckpt gc shm' removes what it left")  # fmt: skip
+        if not client.answers(2.0):
+            raise Problem(f"the agent socket {client.socket} does not answer: its agent is gone "
+                          "or stopped ('flashckpt gc shm' removes what a gone one left)")  # fmt: skip
         tiers = client.tier_status()
     except FlashCkptError as exc:
         raise Problem(describe_error(exc)) from None
