@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from flashckpt import config
+from flashckpt.agent_client import agent_pid_path
 from flashckpt.cli.common import SECRETS, ScrubbingFormatter, describe_error, one_line
 from flashckpt.errors import ConfigError, FlashCkptError
 
@@ -109,7 +110,7 @@ def _serve(args: argparse.Namespace, job: str) -> None:
             )
         )
     except BaseException:
-        _drop_claim(run_dir / f"{job}.pid")
+        _drop_claim(agent_pid_path(run_dir, job))
         raise
 
 

@@ -14,7 +14,7 @@ import grpc
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
 from flashckpt import config
-from flashckpt.agent_client import socket_path
+from flashckpt.agent_client import agent_pid_path, socket_path
 from flashckpt.pidfile import PidFileBusy, lock_pidfile, pid_alive
 from flashckpt.safe_paths import private_dir
 
@@ -33,7 +33,7 @@ def claim(run_dir: Path, job: str) -> int:
     """Lock ``<run_dir>/<job>.pid``: one agent per job per node."""
     private_dir(run_dir, "run_dir")
     try:
-        return lock_pidfile(run_dir / f"{job}.pid")
+        return lock_pidfile(agent_pid_path(run_dir, job))
     except PidFileBusy as busy:
         raise SystemExit(
             f"an agent for job {job!r} already runs on this node ({busy.holder()}); stop it "

@@ -47,9 +47,14 @@ def socket_path(run_dir: Path, job: str) -> Path:
     )
 
 
+def agent_pid_path(run_dir: Path, job: str) -> Path:
+    """The job's agent claim on this node: a pid file its agent holds locked."""
+    return run_dir / f"{job}.pid"
+
+
 def agent_pid(run_dir: Path, job: str) -> int | None:
     """The pid of the process holding the claim of the job's agent on this node, if any."""
-    return holder(run_dir / f"{job}.pid")
+    return holder(agent_pid_path(run_dir, job))
 
 
 class AgentClient:

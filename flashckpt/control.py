@@ -36,6 +36,12 @@ def file_path(run_dir: Path, job: str) -> Path:
     return run_dir / f"{job}.controller"
 
 
+def launcher_path(run_dir: Path, job: str) -> Path:
+    """The job's launcher claim on this node: a pid file its flashckpt-run holds locked (not
+    ``*.pid``, which names the agents' claims)."""
+    return run_dir / f"{job}.launcher"
+
+
 def split_address(address: str, what: str = "FLASHCKPT_CONTROLLER") -> tuple[str, int]:
     """``(host, port)`` of ``host:port`` or ``[v6]:port``; ConfigError naming ``what``."""
     host, sep, port = address.rpartition(":")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashCkptError
+from .pidfile import pid_alive
 from .safe_paths import open_file
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,6 @@ def remove_dead(shm_dir: Path, job: str) -> list[int]:
     its node restarted) and return their ranks. Only for one who knows no worker of the job
     runs here yet, such as a launcher before its first workers start: a page left behind
     would report a worker of an old run as failing in this one."""
-    from .pidfile import pid_alive
-
     gone = [rank for rank, beat in pages(shm_dir, job) if not pid_alive(beat.pid)]
     for rank in gone:
         heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)

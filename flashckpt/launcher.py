@@ -173,15 +173,11 @@ class NodeWatch(threading.Thread):
                 if parent_and_state(beat.pid)[0] == me}  # fmt: skip
 
 
-def launcher_pid_path(run_dir: Path, job: str) -> Path:
-    return run_dir / f"{job}.launcher.pid"
-
-
 def claim_job(run_dir: Path, job: str) -> int:
     """Claim the job on this node for this launcher (held until it exits): a second launcher
     of the same job here would take over the first one's agent and have its workers killed."""
     try:
-        return lock_pidfile(launcher_pid_path(run_dir, job))
+        return lock_pidfile(control.launcher_path(run_dir, job))
     except PidFileBusy as busy:
         raise FlashCkptError(
             f"job {job!r} already runs on this node under flashckpt-run ({busy.holder()}); stop "
@@ -317,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         if controller is not None:
             controller.stop()
         control.file_path(run_dir, job).unlink(missing_ok=True)
-        launcher_pid_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
+        control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
         os.close(claim)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 

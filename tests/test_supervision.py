@@ -20,8 +20,8 @@ from conftest import wait_for
 from flashckpt import tier_io
 from flashckpt.agent_client import AgentClient, agent_pid
 from flashckpt.agent_keeper import AgentKeeper
+from flashckpt.control import launcher_path
 from flashckpt.errors import TierUnavailableError
-from flashckpt.launcher import launcher_pid_path
 from flashckpt.pidfile import holder, lock_pidfile
 from flashckpt.proc import parent_and_state
 from flashckpt.sources import run_with_tier
@@ -138,7 +138,7 @@ def test_a_second_launcher_of_a_job_running_on_the_node_is_refused(shm_dir, run_
     first = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        wait_for(lambda: holder(launcher_pid_path(run_dir, "twice")) == first.pid,
+        wait_for(lambda: holder(launcher_path(run_dir, "twice")) == first.pid,
                  what="the first launcher's claim")  # fmt: skip
         second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1

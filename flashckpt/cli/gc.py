@@ -19,19 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import fcntl
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from .. import config, tier_io
-from ..agent_client import socket_path
+from .. import config, control, tier_io
+from ..agent_client import agent_pid_path, socket_path
 from ..errors import ConfigError, FlashCkptError
 from ..events import events_path
 from ..heartbeat import Phase, pages
-from ..pidfile import PidFileBusy, lock_pidfile, pid_alive
+from ..pidfile import PidFileBusy, holder, lock_pidfile, pid_alive
 from ..slots import free_rank, owner_path, unowned
 from ..storage_tiers.base import TEMP_GRACE_S
 from ..storage_tiers.registry import check_writable, option
@@ -126,7 +125,7 @@ def _ranks(shm: Path, job: str) -> list[int]:
 
 
 def _run_files(run: Path, job: str, logs: bool) -> list[Path]:
-    files = [run / f"{job}.controller"]
+    files = [control.file_path(run, job), control.launcher_path(run, job)]
     with contextlib.suppress(FlashCkptError):
         files.append(socket_path(run, job))
     if logs:
@@ -135,19 +134,15 @@ def _run_files(run: Path, job: str, logs: bool) -> list[Path]:
 
 
 def _hold_agent_claim(stack: contextlib.ExitStack, pid_file: Path, dry: bool) -> str | None:
-    """Hold the job's agent claim until ``stack`` closes (a shared lock for a dry run, which
-    changes nothing); why not if a live agent holds it."""
+    """Hold the job's agent claim until ``stack`` closes (a dry run, which changes nothing,
+    only looks); why not if a live agent holds it."""
     try:
-        if dry:
-            fd = os.open(pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            stack.callback(os.close, fd)
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        else:
-            stack.callback(os.close, lock_pidfile(pid_file))
+        if dry:  # looked at, never locked: a starting agent is never turned away
+            pid = holder(pid_file)
+            return None if pid is None else f"its agent runs ({PidFileBusy(pid).holder()})"
+        stack.callback(os.close, lock_pidfile(pid_file))
     except PidFileBusy as busy:
         return f"its agent runs ({busy.holder()})"
-    except BlockingIOError:
-        return "its agent runs"
     except FileNotFoundError:
         pass
     except (FlashCkptError, OSError) as exc:
@@ -158,8 +153,11 @@ def _hold_agent_claim(stack: contextlib.ExitStack, pid_file: Path, dry: bool) ->
 def _collect(shm: Path, run: Path, job: str, dry: bool, logs: bool) -> dict[str, Any]:
     """Remove (or with ``dry`` list) a job's files unless a live process still uses them."""
     with contextlib.ExitStack() as stack:
-        pid_file = run / f"{job}.pid"
+        pid_file = agent_pid_path(run, job)
         if pid_file.exists() and (why := _hold_agent_claim(stack, pid_file, dry)):
+            return {"job": job, "live": why, "removed": []}
+        if (launcher := holder(control.launcher_path(run, job))) is not None:
+            why = f"its flashckpt-run runs ({PidFileBusy(launcher).holder()})"
             return {"job": job, "live": why, "removed": []}
         for rank in _ranks(shm, job):
             if owner_path(shm, job, rank).exists() and not stack.enter_context(
