@@ -22,11 +22,11 @@ from pathlib import Path
 from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
 from flashckpt.storage_tiers.registry import option
 
-from flashckpt import layout, tier_io
-from flashckpt.checksum import chunk_checksums
 from flashckpt.errors import SharedMemoryError
-from flashckpt.manifest import Manifest
-from flashckpt.slot import Slot
+from flashckpt.format import layout, tier_io
+from flashckpt.format.checksum import chunk_checksums
+from flashckpt.format.manifest import Manifest
+from flashckpt.format.slot import Slot
 from flashckpt.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 
 from .trainers import Trainers

@@ -10,8 +10,9 @@ from flashckpt.proto import agent_pb2 as pb
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
 from flashckpt.storage_tiers.registry import redact
 
-from flashckpt import config, tier_io
+from flashckpt import config
 from flashckpt.errors import ConfigError
+from flashckpt.format import tier_io
 
 from .jobs import Job
 from .persist import SlotReader

@@ -72,7 +72,7 @@ class Counter:
 
 def objects(nodes: int, workers: int, steps: int) -> dict[str, bytes]:
     """The keys a job of ``nodes`` x ``workers`` ranks has after ``steps`` commits."""
-    from flashckpt import layout
+    from flashckpt.format import layout
 
     world = nodes * workers
     out = {}

@@ -27,15 +27,15 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .format.manifest import FORMAT_VERSION
     from .inprocess import run_recoverable
     from .loader import load
-    from .manifest import FORMAT_VERSION
     from .rng import RNG
 
 # What needs torch is imported when first used: the agent, the controller and the command
 # line import this package too, and torch costs each of them a second or two at start.
 _LAZY = {
-    "FORMAT_VERSION": "manifest",
+    "FORMAT_VERSION": "format.manifest",
     "Checkpointer": "checkpointer",
     "RNG": "rng",
     "load": "loader",

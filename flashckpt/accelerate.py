@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 
-from . import pointer as pointer_file
 from .checkpointer import Checkpointer
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, StateMismatchError
+from .format import pointer as pointer_file
 from .rng import RNG
 
 try:

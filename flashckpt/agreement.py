@@ -16,7 +16,7 @@ from typing import Any
 
 from . import group
 from .errors import TierUnavailableError
-from .lineage import Lineage, newest
+from .format.lineage import Lineage, newest
 
 log = logging.getLogger(__name__)
 

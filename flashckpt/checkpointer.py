@@ -19,13 +19,13 @@ from .device_copy import DeviceCopier, PendingCopy
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .events import EventLog
 from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
+from .format.lineage import Lineage
+from .format.manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
+from .format.slot import HEADER_SIZE, Slot, required_capacity
 from .heartbeat import Heartbeat, Phase
-from .lineage import Lineage
-from .manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .replicas import ReplicaFinder
 from .safe_paths import write_atomic
 from .sealer import Sealer
-from .slot import HEADER_SIZE, Slot, required_capacity
 from .slot_prep import SlotPreparer
 from .slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
 from .sources import MemorySource, TierSource

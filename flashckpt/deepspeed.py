@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from . import pointer as pointer_file
 from .checkpointer import Checkpointer
 from .errors import FlashCkptError
+from .format import pointer as pointer_file
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (

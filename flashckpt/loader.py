@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import tier_io
 from .entry_copy import Source
 from .errors import CheckpointNotFoundError, ConfigError, ManifestError
+from .format import tier_io
 from .reshard import Resharder
 from .restore import Planner, refuse_pickles
 from .sources import run_with_tier

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Hashable
 
 from .device import DeviceRuntime
-from .slot import Slot
+from .format.slot import Slot
 
 log = logging.getLogger(__name__)
 

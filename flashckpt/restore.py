@@ -20,7 +20,7 @@ from . import device, optim_state
 from .entry_copy import Source
 from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from .flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
-from .manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
+from .format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from .reshard import Resharder
 
 Producer = Callable[["Source"], Any]

@@ -17,8 +17,8 @@ from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .device import DeviceRuntime
+from .format.slot import Slot
 from .pinning import Pinner
-from .slot import Slot
 from .slots import SlotPair
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
+from .format.manifest import Manifest
+from .format.slot import Slot, SlotHeader, SlotState, shm_space_error
 from .heartbeat import heartbeat_path, stacks_path
-from .manifest import Manifest
 from .pidfile import PidFileBusy, lock_pidfile
 from .safe_paths import private_dir
-from .slot import Slot, SlotHeader, SlotState, shm_space_error
 
 log = logging.getLogger(__name__)
 

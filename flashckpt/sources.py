@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from . import group, tier_io
+from . import group
 from .entry_copy import Source
 from .errors import (
     CheckpointNotFoundError,
@@ -29,10 +29,11 @@ from .errors import (
     SharedMemoryError,
     TierUnavailableError,
 )
-from .lineage import Lineage, newest
+from .format import tier_io
+from .format.lineage import Lineage, newest
+from .format.slot import Slot
 from .reshard import MemoryShards, Resharder, per_rank, portable
 from .restore import plan, run
-from .slot import Slot
 from .slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 
 log = logging.getLogger(__name__)

@@ -78,7 +78,8 @@ class KillSwitch:
         self._cut_at: int | None = None  # the step whose copy a mid-copy kill cuts
 
     def install(self) -> KillSwitch:
-        from flashckpt import checkpointer, sealer, slot, slots
+        from flashckpt import checkpointer, sealer, slots
+        from flashckpt.format import slot
 
         real_acquire, real_try = slots.SlotPair.acquire_for_write, slot.Slot.try_lock
 

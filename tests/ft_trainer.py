@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from flashckpt import Checkpointer, layout
-from flashckpt.slot import HEADER_SIZE
+from flashckpt import Checkpointer
+from flashckpt.format import layout
+from flashckpt.format.slot import HEADER_SIZE
 from flashckpt.slots import slot_path
 from flashckpt.sources import run_with_tier
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from conftest import METRICS, ROOT, run_python, wait_for
 
-from flashckpt import Checkpointer, layout, tier_io
+from flashckpt import Checkpointer
+from flashckpt.format import layout, tier_io
 from flashckpt.pidfile import holder
 from flashckpt.sources import TierSource, run_with_tier
 

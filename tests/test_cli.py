@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from flashckpt import Checkpointer, layout
+from flashckpt import Checkpointer
+from flashckpt.format import layout
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -26,13 +26,13 @@ import torch
 from conftest import S3, run_python
 from flashckpt.storage_tiers import open_tier
 
-from flashckpt import layout, tier_io
-from flashckpt.checksum import chunk_checksums
 from flashckpt.cli import build_parser
 from flashckpt.cli.common import Progress, Secrets
 from flashckpt.flatten import Leaf, plan_layout
-from flashckpt.manifest import Manifest
-from flashckpt.slot import align
+from flashckpt.format import layout, tier_io
+from flashckpt.format.checksum import chunk_checksums
+from flashckpt.format.manifest import Manifest
+from flashckpt.format.slot import align
 
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"
 CHUNK = 4096

@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import ROOT, run_python
 
-from flashckpt import Checkpointer, ConfigError, RankBusyError, StateMismatchError, config, layout
+from flashckpt import Checkpointer, ConfigError, RankBusyError, StateMismatchError, config
 from flashckpt.agent_client import SOCKET_PATH_MAX
+from flashckpt.format import layout
 from flashckpt.slots import ranks_in
 
 

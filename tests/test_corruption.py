@@ -31,11 +31,12 @@ import torch
 from conftest import ROOT, wait_for
 from flashckpt.storage_tiers import open_tier
 
-from flashckpt import Checkpointer, layout, tier_io
-from flashckpt.checksum import verify_entry
+from flashckpt import Checkpointer
 from flashckpt.errors import CheckpointNotFoundError, FlashCkptError, ManifestError
-from flashckpt.manifest import Manifest
-from flashckpt.slot import HEADER_SIZE, Slot, align
+from flashckpt.format import layout, tier_io
+from flashckpt.format.checksum import verify_entry
+from flashckpt.format.manifest import Manifest
+from flashckpt.format.slot import HEADER_SIZE, Slot, align
 from flashckpt.slots import read_locked, slot_path
 
 JOB = "corrupt"

@@ -20,7 +20,7 @@ from test_corruption import (
     stage,
 )
 
-from flashckpt import layout
+from flashckpt.format import layout
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -19,8 +19,8 @@ from conftest import ROOT, run_python
 from flashckpt.storage_tiers import open_tier
 from test_corruption import edit, slot_manifest
 
-from flashckpt import layout, tier_io
-from flashckpt.slot import Slot
+from flashckpt.format import layout, tier_io
+from flashckpt.format.slot import Slot
 from flashckpt.slots import read_locked, slot_path
 
 JOB = "ranks"
@@ -29,7 +29,7 @@ SAVER = textwrap.dedent(
     """
     import os, time, torch
     from flashckpt import Checkpointer, config
-    from flashckpt.slot import Slot
+    from flashckpt.format.slot import Slot
     from flashckpt.slots import slot_path
     rank = int(os.environ["RANK"])
     ck = Checkpointer(chunk_size=65536)

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import ROOT, run_python
 
-from flashckpt.slot import Slot, SlotState
+from flashckpt.format.slot import Slot, SlotState
 from flashckpt.slots import slot_path
 
 SAVER = """

@@ -23,12 +23,13 @@ from flashckpt.storage_tiers import open_tier
 from test_load import put_shards
 from test_replicas_reshard import FULL
 
-from flashckpt import Checkpointer, tier_io
-from flashckpt.checksum import chunk_checksums
+from flashckpt import Checkpointer
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, PickleNotAllowedError
 from flashckpt.export import export, parse_size
 from flashckpt.flatten import flatten, plan_layout
-from flashckpt.manifest import Manifest
+from flashckpt.format import tier_io
+from flashckpt.format.checksum import chunk_checksums
+from flashckpt.format.manifest import Manifest
 
 JOB, STEP = "exp", 3
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import S3, run_python
 
-from flashckpt import Checkpointer, tier_io
+from flashckpt import Checkpointer
+from flashckpt.format import tier_io
 from flashckpt.sources import run_with_tier
 
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"

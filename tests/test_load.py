@@ -11,7 +11,7 @@ import torch
 from test_replicas_reshard import FULL, JOB, STEP, manifest_of, shard_of
 
 import flashckpt
-from flashckpt import Checkpointer, tier_io
+from flashckpt import Checkpointer
 from flashckpt.errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -19,6 +19,7 @@ from flashckpt.errors import (
     PickleNotAllowedError,
     StateMismatchError,
 )
+from flashckpt.format import tier_io
 from flashckpt.sources import run_with_tier
 
 

@@ -15,7 +15,7 @@ from flashckpt import (
     ManifestError,
     StateMismatchError,
 )
-from flashckpt.manifest import Entry, Manifest, ShardInfo
+from flashckpt.format.manifest import Entry, Manifest, ShardInfo
 
 
 def test_wrong_shape_model_lists_mismatches_and_loads_nothing(shm_dir):

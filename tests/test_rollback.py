@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from conftest import run_python, wait_for
 
-from flashckpt import Checkpointer, layout, tier_io
+from flashckpt import Checkpointer
 from flashckpt.agreement import _warn_going_back
+from flashckpt.format import layout, tier_io
 from flashckpt.sources import run_with_tier
 
 

@@ -29,7 +29,8 @@ from flashckpt.agent.persist import TierWorker
 from flashckpt.storage_tiers import open_tier, parse_spec
 from flashckpt.storage_tiers.registry import redact
 
-from flashckpt import Checkpointer, ConfigError, TierUnavailableError, config, layout
+from flashckpt import Checkpointer, ConfigError, TierUnavailableError, config
+from flashckpt.format import layout
 from flashckpt.safe_paths import open_file, private_dir, write_atomic
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -376,7 +377,7 @@ def test_agent_start_aborts_own_s3_uploads_and_spares_young_foreign_ones(
 
 
 def test_retention_removes_crashed_temporaries_older_than_the_grace(tmp_path):
-    from flashckpt import tier_io
+    from flashckpt.format import tier_io
 
     root = tmp_path / "tier"
     old = _leave_temp(root, layout.data_key("rj", 9, 3), age_s=7200)

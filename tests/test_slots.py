@@ -11,7 +11,7 @@ import torch
 from conftest import run_python
 
 from flashckpt import Checkpointer, RankBusyError
-from flashckpt.slot import Slot, SlotState
+from flashckpt.format.slot import Slot, SlotState
 
 
 def headers(ck):
@@ -148,7 +148,7 @@ def test_corrupt_snapshot_falls_back_to_the_older_one(shm_dir, caplog):
 
 
 def test_no_room_for_a_spare_slot_skips_the_snapshot_and_training_goes_on(shm_dir, monkeypatch):
-    from flashckpt.slot import shm_space_error
+    from flashckpt.format.slot import shm_space_error
     from flashckpt.slots import SlotPair
 
     with Checkpointer(job="nospare") as ck:

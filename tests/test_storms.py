@@ -41,8 +41,8 @@ from faults import (
 )
 from storm_trainer import mismatches, new_state
 
-from flashckpt import layout, tier_io
-from flashckpt.slot import Slot
+from flashckpt.format import layout, tier_io
+from flashckpt.format.slot import Slot
 from flashckpt.slots import N_SLOTS, N_STEADY, read_locked, slot_path
 from flashckpt.sources import TierSource, run_with_tier
 

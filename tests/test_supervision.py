@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from flashckpt import tier_io
 from flashckpt.agent_client import AgentClient, agent_pid
 from flashckpt.agent_keeper import AgentKeeper
 from flashckpt.control import launcher_path
 from flashckpt.errors import TierUnavailableError
+from flashckpt.format import tier_io
 from flashckpt.pidfile import holder, lock_pidfile
 from flashckpt.proc import parent_and_state
 from flashckpt.sources import run_with_tier

@@ -21,13 +21,14 @@ from flashckpt.storage_tiers import open_tier, parse_spec
 from flashckpt.storage_tiers.os_errors import explain
 from test_corruption import JOB, STEP_NEW, STEP_OLD, Template, blank, stage
 
-from flashckpt import Checkpointer, layout, tier_io
+from flashckpt import Checkpointer
 from flashckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     ManifestError,
     TierUnavailableError,
 )
+from flashckpt.format import layout, tier_io
 from flashckpt.sources import CORRUPT_COPY, TierSource
 
 HANG_S = 20  # a read still blocked after this is a hang: the watchdog unblocks it and fails

@@ -19,7 +19,8 @@ import torch
 from conftest import ROOT, S3, wait_for
 from test_tiers import _unshare_works
 
-from flashckpt import Checkpointer, TierUnavailableError, tier_io
+from flashckpt import Checkpointer, TierUnavailableError
+from flashckpt.format import tier_io
 from flashckpt.sources import run_with_tier
 
 RETRY_S = 2.0  # outage_retry_s in these tests

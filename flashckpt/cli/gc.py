@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import config, control, tier_io
+from .. import config, control
 from ..agent_client import agent_pid_path, socket_path
 from ..errors import ConfigError, FlashCkptError
 from ..events import events_path
+from ..format import tier_io
 from ..heartbeat import Phase, pages
 from ..pidfile import PidFileBusy, holder, lock_pidfile, pid_alive
 from ..slots import free_rank, owner_path, unowned

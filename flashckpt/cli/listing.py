@@ -11,9 +11,9 @@ import argparse
 import asyncio
 from typing import Any
 
-from .. import tier_io
 from ..errors import FlashCkptError, SharedMemoryError
-from ..slot import Slot
+from ..format import tier_io
+from ..format.slot import Slot
 from ..slots import N_SLOTS, ranks_in, slot_path
 from .common import (
     OK,

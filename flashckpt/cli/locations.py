@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from .. import layout, tier_io
 from ..errors import FlashCkptError, SharedMemoryError
-from ..lineage import Lineage
-from ..manifest import Manifest
-from ..slot import Slot
+from ..format import layout, tier_io
+from ..format.lineage import Lineage
+from ..format.manifest import Manifest
+from ..format.slot import Slot
 from ..slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 from .common import SHM, Problem, Progress, describe_error, shown
 

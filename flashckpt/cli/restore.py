@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from .. import config, tier_io
-from ..checksum import bad_chunks, chunk_checksums
+from .. import config
 from ..errors import ConfigError, FlashCkptError, RankBusyError
-from ..manifest import Manifest
-from ..slot import HEADER_SIZE, Slot, required_capacity
+from ..format import tier_io
+from ..format.checksum import bad_chunks, chunk_checksums
+from ..format.manifest import Manifest
+from ..format.slot import HEADER_SIZE, Slot, required_capacity
 from ..slots import SlotPair
 from .common import (
     OK,

@@ -16,11 +16,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import layout, tier_io
-from ..checksum import chunk_mismatch, crc
 from ..errors import FlashCkptError
-from ..manifest import Entry, Manifest
-from ..slot import HEADER_SIZE
+from ..format import layout, tier_io
+from ..format.checksum import chunk_mismatch, crc
+from ..format.manifest import Entry, Manifest
+from ..format.slot import HEADER_SIZE
 from ..slots import Snapshot
 from .common import (
     OK,

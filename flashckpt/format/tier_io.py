@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import config, layout
-from .errors import ConfigError, ManifestError
+from .. import config
+from ..errors import ConfigError, ManifestError
+from ..storage_tiers.base import TEMP_GRACE_S, Leftover
+from . import layout
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
 from .slot import align
-from .storage_tiers.base import TEMP_GRACE_S, Leftover
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from .errors import ManifestError
+from ..errors import ManifestError
 from .lineage import Lineage
 from .manifest import load_json
 

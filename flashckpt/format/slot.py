@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CorruptSlotError, SharedMemoryError
+from ..errors import CorruptSlotError, SharedMemoryError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import crc32c as _crc32c
 
-from .errors import ChecksumError
+from ..errors import ChecksumError
 from .manifest import Entry
 
 ALGORITHM = "crc32c"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError
+from ..errors import ManifestError
 from .lineage import Lineage
 
 FORMAT_VERSION = 2

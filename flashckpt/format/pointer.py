@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .errors import FlashCkptError
+from ..errors import FlashCkptError
 
 T = TypeVar("T")
 

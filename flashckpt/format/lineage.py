@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 MAX_BRANCHES = 10_000
 
