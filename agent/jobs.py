@@ -9,7 +9,7 @@ from pathlib import Path
 from flashckpt.storage_tiers import open_tier
 from flashckpt.storage_tiers.registry import redact
 
-from flashckpt.slots import closed_marker_path, free_rank, ranks_in, unowned
+from flashckpt.snapshot.slots import closed_marker_path, free_rank, ranks_in, unowned
 
 from .persist import TierWorker
 from .trainers import Trainers

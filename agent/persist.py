@@ -27,7 +27,7 @@ from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest
 from flashckpt.format.slot import Slot
-from flashckpt.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
+from flashckpt.snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 
 from .trainers import Trainers
 

@@ -48,10 +48,10 @@ from persist import plain_write
 from snapshot_harness import timed
 
 from flashckpt.export import export
-from flashckpt.flatten import Leaf, plan_layout
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest, ShardInfo
+from flashckpt.snapshot.flatten import Leaf, plan_layout
 from flashckpt.sources import run_with_tier
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ import torch
 from snapshot_harness import local_tensors, size_of
 
 from flashckpt import Checkpointer
-from flashckpt.device import CudaRuntime
+from flashckpt.snapshot.device import CudaRuntime
 
 WIDTH = 4096
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,22 +12,23 @@ from typing import Any
 
 import torch
 
-from . import config, device, group, heartbeat
+from . import config, group, heartbeat
 from .agent_client import AgentClient, socket_path
 from .agreement import restore_agreed
-from .device_copy import DeviceCopier, PendingCopy
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .events import EventLog
-from .flatten import Layout, Leaf, copy_into, flatten, plan_layout
 from .format.lineage import Lineage
 from .format.manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .format.slot import HEADER_SIZE, Slot, required_capacity
 from .heartbeat import Heartbeat, Phase
-from .replicas import ReplicaFinder
 from .safe_paths import write_atomic
-from .sealer import Sealer
-from .slot_prep import SlotPreparer
-from .slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
+from .snapshot import device
+from .snapshot.device_copy import DeviceCopier, PendingCopy
+from .snapshot.flatten import Layout, Leaf, copy_into, flatten, plan_layout
+from .snapshot.replicas import ReplicaFinder
+from .snapshot.sealer import Sealer
+from .snapshot.slot_prep import SlotPreparer
+from .snapshot.slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
 from .sources import MemorySource, TierSource
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from .format.lineage import Lineage, newest
 from .format.slot import Slot
 from .reshard import MemoryShards, Resharder, per_rank, portable
 from .restore import plan, run
-from .slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
+from .snapshot.slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

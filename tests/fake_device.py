@@ -1,6 +1,6 @@
 """A simulated device, so the CPU test suite runs every line of the device path it can.
 
-It stands in for the CUDA runtime calls only (``flashckpt.device.DeviceRuntime``): every
+It stands in for the CUDA runtime calls only (``flashckpt.snapshot.device.DeviceRuntime``): every
 copy, fence, registration and bookkeeping step above it is flashckpt's own code. Device
 tensors are host tensors it claims. A side stream is a worker thread that runs what is queued
 on it in order, so copies really are in flight while the caller goes on. The caller's stream
@@ -22,8 +22,8 @@ from collections.abc import Hashable
 
 import torch
 
-from flashckpt import device as device_module
-from flashckpt.step_fence import storage_key
+from flashckpt.snapshot import device as device_module
+from flashckpt.snapshot.step_fence import storage_key
 
 TIMEOUT = 60.0  # no wait in a test lasts longer: a lost release fails instead of hanging
 

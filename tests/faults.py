@@ -78,8 +78,9 @@ class KillSwitch:
         self._cut_at: int | None = None  # the step whose copy a mid-copy kill cuts
 
     def install(self) -> KillSwitch:
-        from flashckpt import checkpointer, sealer, slots
+        from flashckpt import checkpointer
         from flashckpt.format import slot
+        from flashckpt.snapshot import sealer, slots
 
         real_acquire, real_try = slots.SlotPair.acquire_for_write, slot.Slot.try_lock
 

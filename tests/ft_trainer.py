@@ -30,7 +30,7 @@ import torch.distributed as dist
 from flashckpt import Checkpointer
 from flashckpt.format import layout
 from flashckpt.format.slot import HEADER_SIZE
-from flashckpt.slots import slot_path
+from flashckpt.snapshot.slots import slot_path
 from flashckpt.sources import run_with_tier
 
 STEPS = int(os.environ.get("FT_STEPS", "30"))

@@ -28,11 +28,11 @@ from flashckpt.storage_tiers import open_tier
 
 from flashckpt.cli import build_parser
 from flashckpt.cli.common import Progress, Secrets
-from flashckpt.flatten import Leaf, plan_layout
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest
 from flashckpt.format.slot import align
+from flashckpt.snapshot.flatten import Leaf, plan_layout
 
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"
 CHUNK = 4096

@@ -22,7 +22,7 @@ from conftest import ROOT, run_python
 from flashckpt import Checkpointer, ConfigError, RankBusyError, StateMismatchError, config
 from flashckpt.agent_client import SOCKET_PATH_MAX
 from flashckpt.format import layout
-from flashckpt.slots import ranks_in
+from flashckpt.snapshot.slots import ranks_in
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,7 @@ RACER = """
 import fcntl, os, random, sys, time
 from pathlib import Path
 from flashckpt.errors import RankBusyError
-from flashckpt.slots import SlotPair
+from flashckpt.snapshot.slots import SlotPair
 
 real_flock = fcntl.flock
 

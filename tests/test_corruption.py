@@ -37,7 +37,7 @@ from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import verify_entry
 from flashckpt.format.manifest import Manifest
 from flashckpt.format.slot import HEADER_SIZE, Slot, align
-from flashckpt.slots import read_locked, slot_path
+from flashckpt.snapshot.slots import read_locked, slot_path
 
 JOB = "corrupt"
 CHUNK = 64 * 1024  # several chunks per tensor: a flipped byte lands in one of many

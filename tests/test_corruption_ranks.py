@@ -21,7 +21,7 @@ from test_corruption import edit, slot_manifest
 
 from flashckpt.format import layout, tier_io
 from flashckpt.format.slot import Slot
-from flashckpt.slots import read_locked, slot_path
+from flashckpt.snapshot.slots import read_locked, slot_path
 
 JOB = "ranks"
 
@@ -30,7 +30,7 @@ SAVER = textwrap.dedent(
     import os, time, torch
     from flashckpt import Checkpointer, config
     from flashckpt.format.slot import Slot
-    from flashckpt.slots import slot_path
+    from flashckpt.snapshot.slots import slot_path
     rank = int(os.environ["RANK"])
     ck = Checkpointer(chunk_size=65536)
     for step in (1, 2):

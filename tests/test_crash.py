@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, run_python
 
 from flashckpt.format.slot import Slot, SlotState
-from flashckpt.slots import slot_path
+from flashckpt.snapshot.slots import slot_path
 
 SAVER = """
 import sys, torch

@@ -18,8 +18,8 @@ from states import ALL_DTYPES, tensor_of
 
 import flashckpt
 from flashckpt import Checkpointer
-from flashckpt.device import CudaRuntime
-from flashckpt.step_fence import storage_key
+from flashckpt.snapshot.device import CudaRuntime
+from flashckpt.snapshot.step_fence import storage_key
 
 pytestmark = pytest.mark.gpu
 MODES = [pytest.param(False, id="blocking"), pytest.param(True, id="overlapped")]

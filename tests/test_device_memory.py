@@ -13,7 +13,7 @@ from conftest import run_python
 from fake_device import installed
 
 from flashckpt import Checkpointer, optim_state
-from flashckpt.slots import slot_path
+from flashckpt.snapshot.slots import slot_path
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_when_optimizer_state_appears_only_the_target_slot_grows_on_the_training
     """restore() at start sizes the slots for a fresh optimizer (no state yet); the first
     step makes the state three times larger. The save grows only the slot it writes into;
     the other slot grows, and every slot is page-locked again, in the background."""
-    from flashckpt.slots import SlotPair
+    from flashckpt.snapshot.slots import SlotPair
 
     calls: list[tuple[int, str]] = []
     real = SlotPair.prepare_slot

@@ -15,9 +15,10 @@ import pytest
 import torch
 from fake_device import installed
 
-from flashckpt import Checkpointer, step_fence
-from flashckpt.device import CudaRuntime
-from flashckpt.step_fence import storage_key
+from flashckpt import Checkpointer
+from flashckpt.snapshot import step_fence
+from flashckpt.snapshot.device import CudaRuntime
+from flashckpt.snapshot.step_fence import storage_key
 
 
 @pytest.fixture

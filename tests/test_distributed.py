@@ -16,7 +16,7 @@ WORKER = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, Replicate, distribute_tensor
     from flashckpt import Checkpointer
-    from flashckpt.slots import read_locked
+    from flashckpt.snapshot.slots import read_locked
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -9,7 +9,7 @@ import torch
 from conftest import wait_for
 
 from flashckpt import Checkpointer
-from flashckpt.slots import SlotPair
+from flashckpt.snapshot.slots import SlotPair
 
 
 def gate_background(

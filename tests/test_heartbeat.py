@@ -29,7 +29,7 @@ from flashckpt.heartbeat import (
 from flashckpt.launcher import NodeWatch
 from flashckpt.proc import parent_and_state
 from flashckpt.report import render, summarize
-from flashckpt.slots import free_rank
+from flashckpt.snapshot.slots import free_rank
 
 
 def beat(phase: Phase, slowest: float = 0.0, budget_s: int = 0) -> Beat:

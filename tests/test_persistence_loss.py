@@ -14,7 +14,7 @@ from conftest import run_python, wait_for
 from flashckpt import Checkpointer
 from flashckpt.agent_client import AgentClient
 from flashckpt.format import tier_io
-from flashckpt.slots import closed_marker_path, slot_path
+from flashckpt.snapshot.slots import closed_marker_path, slot_path
 from flashckpt.sources import run_with_tier
 
 

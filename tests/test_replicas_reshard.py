@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from flashckpt.errors import CheckpointNotFoundError, ChecksumError, ManifestError
-from flashckpt.flatten import Leaf, plan_layout
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest, ShardInfo
 from flashckpt.format.slot import align
 from flashckpt.reshard import Resharder, per_rank, portable
 from flashckpt.restore import Source, plan, run
+from flashckpt.snapshot.flatten import Leaf, plan_layout
 from flashckpt.sources import run_with_tier
 
 JOB, STEP = "rep", 7

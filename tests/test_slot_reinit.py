@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashckpt import Checkpointer
-from flashckpt.slots import slot_path
+from flashckpt.snapshot.slots import slot_path
 
 JOB = "reinit"
 CAPACITY = 1 << 20

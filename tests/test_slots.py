@@ -149,7 +149,7 @@ def test_corrupt_snapshot_falls_back_to_the_older_one(shm_dir, caplog):
 
 def test_no_room_for_a_spare_slot_skips_the_snapshot_and_training_goes_on(shm_dir, monkeypatch):
     from flashckpt.format.slot import shm_space_error
-    from flashckpt.slots import SlotPair
+    from flashckpt.snapshot.slots import SlotPair
 
     with Checkpointer(job="nospare") as ck:
         ck.save(1, {"t": torch.ones(4)})

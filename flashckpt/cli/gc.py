@@ -32,7 +32,7 @@ from ..events import events_path
 from ..format import tier_io
 from ..heartbeat import Phase, pages
 from ..pidfile import PidFileBusy, holder, lock_pidfile, pid_alive
-from ..slots import free_rank, owner_path, unowned
+from ..snapshot.slots import free_rank, owner_path, unowned
 from ..storage_tiers.base import TEMP_GRACE_S
 from ..storage_tiers.registry import check_writable, option
 from .common import (

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import FlashCkptError, SharedMemoryError
 from ..format import tier_io
 from ..format.slot import Slot
-from ..slots import N_SLOTS, ranks_in, slot_path
+from ..snapshot.slots import N_SLOTS, ranks_in, slot_path
 from .common import (
     OK,
     PROBLEM,

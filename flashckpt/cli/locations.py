@@ -25,7 +25,7 @@ from ..format import layout, tier_io
 from ..format.lineage import Lineage
 from ..format.manifest import Manifest
 from ..format.slot import Slot
-from ..slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
+from ..snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 from .common import SHM, Problem, Progress, describe_error, shown
 
 Key = tuple[int, int]

@@ -31,7 +31,7 @@ from ..format import tier_io
 from ..format.checksum import bad_chunks, chunk_checksums
 from ..format.manifest import Manifest
 from ..format.slot import HEADER_SIZE, Slot, required_capacity
-from ..slots import SlotPair
+from ..snapshot.slots import SlotPair
 from .common import (
     OK,
     PROBLEM,

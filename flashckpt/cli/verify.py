@@ -21,7 +21,7 @@ from ..format import layout, tier_io
 from ..format.checksum import chunk_mismatch, crc
 from ..format.manifest import Entry, Manifest
 from ..format.slot import HEADER_SIZE
-from ..slots import Snapshot
+from ..snapshot.slots import Snapshot
 from .common import (
     OK,
     PROBLEM,

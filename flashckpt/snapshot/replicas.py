@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import group
+from .. import group
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from .format.checksum import chunk_checksums
-from .format.manifest import Manifest
-from .format.slot import Slot
+from ..format.checksum import chunk_checksums
+from ..format.manifest import Manifest
+from ..format.slot import Slot
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import logging
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..format.slot import Slot
 from .device import DeviceRuntime
-from .format.slot import Slot
 from .pinning import Pinner
 from .slots import SlotPair
 

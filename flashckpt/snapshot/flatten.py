@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .format.manifest import MAX_TREE_DEPTH, Entry, ShardInfo, dtype_name, encode_scalar
-from .format.slot import align
+from ..format.manifest import MAX_TREE_DEPTH, Entry, ShardInfo, dtype_name, encode_scalar
+from ..format.slot import align
 
 
 def is_dtensor(t: object) -> bool:

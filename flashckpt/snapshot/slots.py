@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
-from .format.manifest import Manifest
-from .format.slot import Slot, SlotHeader, SlotState, shm_space_error
-from .heartbeat import heartbeat_path, stacks_path
-from .pidfile import PidFileBusy, lock_pidfile
-from .safe_paths import private_dir
+from ..errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
+from ..format.manifest import Manifest
+from ..format.slot import Slot, SlotHeader, SlotState, shm_space_error
+from ..heartbeat import heartbeat_path, stacks_path
+from ..pidfile import PidFileBusy, lock_pidfile
+from ..safe_paths import private_dir
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable
 
+from ..format.slot import Slot
 from .device import DeviceRuntime
-from .format.slot import Slot
 
 log = logging.getLogger(__name__)
 

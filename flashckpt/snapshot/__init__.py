@@ -1,0 +1,4 @@
+"""The save path: a live state flattened into a layout, copied (from CPU or through pinned
+memory from a device) into a rank's shared-memory slots, sealed with checksums and published.
+
+May import ``flashckpt.format`` and the shared ground."""
