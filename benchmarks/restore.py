@@ -14,7 +14,7 @@ tensor of the model, as FSDP saves it:
      verify every chunk, ranks in parallel; against a plain sequential read of every rank's
      manifest and data file into new memory (and, for reference, into memory allocated and
      faulted in beforehand: on a VM the page faults of new memory cost as much as the read);
-   - export: ``flashckpt.export(..., "safetensors")`` (full tensors assembled from every
+   - export: ``flashckpt.restore.export(..., "safetensors")`` (full tensors assembled from every
      rank's shard, written as ``model.safetensors``, fsynced); against the plain read alone
      and a plain copy (the read, then one write + fsync of the same bytes in that directory).
    ``--cache cold`` drops the files from the page cache before every timed call (both
@@ -47,12 +47,12 @@ import torch
 from persist import plain_write
 from snapshot_harness import timed
 
-from flashckpt.export import export
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest, ShardInfo
+from flashckpt.restore.export import export
+from flashckpt.restore.sources import run_with_tier
 from flashckpt.snapshot.flatten import Leaf, plan_layout
-from flashckpt.sources import run_with_tier
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB, STEP = "bench-restore", 100

@@ -100,7 +100,7 @@ def write_dir(root: Path, objs: dict[str, bytes]) -> None:
 
 
 def plan(url: str, rank: int) -> int:
-    from flashckpt.sources import TierSource
+    from flashckpt.restore.sources import TierSource
 
     return len(TierSource(url, JOB, rank, verify=True).snapshots())
 

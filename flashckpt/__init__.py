@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .format.manifest import FORMAT_VERSION
     from .inprocess import run_recoverable
-    from .loader import load
+    from .restore.loader import load
     from .rng import RNG
 
 # What needs torch is imported when first used: the agent, the controller and the command
@@ -38,7 +38,7 @@ _LAZY = {
     "FORMAT_VERSION": "format.manifest",
     "Checkpointer": "checkpointer",
     "RNG": "rng",
-    "load": "loader",
+    "load": "restore.loader",
     "run_recoverable": "inprocess",
 }
 

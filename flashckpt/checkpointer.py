@@ -14,13 +14,14 @@ import torch
 
 from . import config, group, heartbeat
 from .agent_client import AgentClient, socket_path
-from .agreement import restore_agreed
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .events import EventLog
 from .format.lineage import Lineage
 from .format.manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .format.slot import HEADER_SIZE, Slot, required_capacity
 from .heartbeat import Heartbeat, Phase
+from .restore.agreement import restore_agreed
+from .restore.sources import MemorySource, TierSource
 from .safe_paths import write_atomic
 from .snapshot import device
 from .snapshot.device_copy import DeviceCopier, PendingCopy
@@ -29,7 +30,6 @@ from .snapshot.replicas import ReplicaFinder
 from .snapshot.sealer import Sealer
 from .snapshot.slot_prep import SlotPreparer
 from .snapshot.slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
-from .sources import MemorySource, TierSource
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from flashckpt import Checkpointer
 from flashckpt.format import layout
 from flashckpt.format.slot import HEADER_SIZE
+from flashckpt.restore.sources import run_with_tier
 from flashckpt.snapshot.slots import slot_path
-from flashckpt.sources import run_with_tier
 
 STEPS = int(os.environ.get("FT_STEPS", "30"))
 

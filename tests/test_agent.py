@@ -20,7 +20,7 @@ from conftest import METRICS, ROOT, run_python, wait_for
 from flashckpt import Checkpointer
 from flashckpt.format import layout, tier_io
 from flashckpt.pidfile import holder
-from flashckpt.sources import TierSource, run_with_tier
+from flashckpt.restore.sources import TierSource, run_with_tier
 
 
 def committed(url: str, job: str) -> list[int]:

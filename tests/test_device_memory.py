@@ -12,7 +12,8 @@ import torch
 from conftest import run_python
 from fake_device import installed
 
-from flashckpt import Checkpointer, optim_state
+from flashckpt import Checkpointer
+from flashckpt.restore import optim_state
 from flashckpt.snapshot.slots import slot_path
 
 

@@ -105,7 +105,7 @@ LISTING = textwrap.dedent(
     """
     import asyncio, json, os, torch.distributed as dist
     from flashckpt import group, tier_io
-    from flashckpt.sources import TierSource, run_with_tier
+    from flashckpt.restore.sources import TierSource, run_with_tier
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -137,7 +137,7 @@ LISTING = textwrap.dedent(
         row["error"] = str(exc)
     # Rank 2 has no shared tier: the others cannot wait for it in a broadcast, so each lists
     # for itself, and the restore ends (nothing to load: the step has no data) without a hang.
-    from flashckpt.agreement import restore_agreed
+    from flashckpt.restore.agreement import restore_agreed
     before = len(listed)
     sources = [] if rank == 2 else [TierSource(url, "lst", rank, verify=True, together=True)]
     got = restore_agreed({}, sources, None, False, {}, "lst")

@@ -25,10 +25,10 @@ from test_replicas_reshard import FULL
 
 from flashckpt import Checkpointer
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, PickleNotAllowedError
-from flashckpt.export import export, parse_size
 from flashckpt.format import tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest
+from flashckpt.restore.export import export, parse_size
 from flashckpt.snapshot.flatten import flatten, plan_layout
 
 JOB, STEP = "exp", 3

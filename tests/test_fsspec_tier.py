@@ -18,7 +18,7 @@ from conftest import S3, run_python
 
 from flashckpt import Checkpointer
 from flashckpt.format import tier_io
-from flashckpt.sources import run_with_tier
+from flashckpt.restore.sources import run_with_tier
 
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"
 

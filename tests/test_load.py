@@ -20,7 +20,7 @@ from flashckpt.errors import (
     StateMismatchError,
 )
 from flashckpt.format import tier_io
-from flashckpt.sources import run_with_tier
+from flashckpt.restore.sources import run_with_tier
 
 
 class Opaque:
@@ -138,7 +138,7 @@ def test_the_package_starts_without_torch_and_load_stays_the_function():
     code = (
         "import sys, flashckpt, flashckpt.launcher, flashckpt.cli, flashckpt.agent.controller\n"
         "assert 'torch' not in sys.modules, 'torch imported at start'\n"
-        "import flashckpt.export\n"
+        "import flashckpt.restore.export\n"
         "assert callable(flashckpt.load) and flashckpt.load.__name__ == 'load'\n"
         "assert flashckpt.Checkpointer.__name__ == 'Checkpointer' and flashckpt.FORMAT_VERSION\n"
         "assert {'Checkpointer', 'load', 'RNG', 'run_recoverable'} <= set(dir(flashckpt))\n"

@@ -14,8 +14,8 @@ from conftest import run_python, wait_for
 from flashckpt import Checkpointer
 from flashckpt.agent_client import AgentClient
 from flashckpt.format import tier_io
+from flashckpt.restore.sources import run_with_tier
 from flashckpt.snapshot.slots import closed_marker_path, slot_path
-from flashckpt.sources import run_with_tier
 
 
 def committed(url: str, job: str) -> list[int]:

@@ -19,10 +19,10 @@ from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest, ShardInfo
 from flashckpt.format.slot import align
-from flashckpt.reshard import Resharder, per_rank, portable
-from flashckpt.restore import Source, plan, run
+from flashckpt.restore.into_state import Source, plan, run
+from flashckpt.restore.reshard import Resharder, per_rank, portable
+from flashckpt.restore.sources import run_with_tier
 from flashckpt.snapshot.flatten import Leaf, plan_layout
-from flashckpt.sources import run_with_tier
 
 JOB, STEP = "rep", 7
 FULL = torch.arange(10 * 6, dtype=torch.float32).view(10, 6)

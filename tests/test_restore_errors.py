@@ -83,7 +83,7 @@ def test_manifest_json_round_trips_entries_shards_and_checksums():
 
 def test_an_entry_past_the_stored_bytes_or_short_of_checksums_is_refused_not_read():
     # Large entries are copied with raw memory moves: a corrupt manifest must fail first.
-    from flashckpt.restore import Source
+    from flashckpt.restore.into_state import Source
 
     mib = 2**20
     data = torch.zeros(2 * mib, dtype=torch.uint8)

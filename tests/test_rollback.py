@@ -11,9 +11,9 @@ import torch
 from conftest import run_python, wait_for
 
 from flashckpt import Checkpointer
-from flashckpt.agreement import _warn_going_back
 from flashckpt.format import layout, tier_io
-from flashckpt.sources import run_with_tier
+from flashckpt.restore.agreement import _warn_going_back
+from flashckpt.restore.sources import run_with_tier
 
 
 def fill(step: int, branch: int) -> dict:
@@ -123,11 +123,11 @@ def test_only_a_job_that_starts_over_without_restore_is_warned(shm_dir, run_dir,
 
 
 def test_going_back_past_a_step_some_ranks_lack_is_warned_with_what_to_do(caplog):
-    with caplog.at_level(logging.WARNING, logger="flashckpt.agreement"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.restore.agreement"):
         _warn_going_back("grown", 9, 19, [19, 19, 9])  # rank 2 joined; 10-19 saved by 2 ranks
     assert "ranks [2] hold no copy of it" in caplog.text
     assert "restart with as many as saved it" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="flashckpt.agreement"):
+    with caplog.at_level(logging.WARNING, logger="flashckpt.restore.agreement"):
         _warn_going_back("corrupt", 9, 19, [19, 19, 19])  # every rank held it: bad copies
     assert caplog.text == ""

@@ -43,8 +43,8 @@ from storm_trainer import mismatches, new_state
 
 from flashckpt.format import layout, tier_io
 from flashckpt.format.slot import Slot
+from flashckpt.restore.sources import TierSource, run_with_tier
 from flashckpt.snapshot.slots import N_SLOTS, N_STEADY, read_locked, slot_path
-from flashckpt.sources import TierSource, run_with_tier
 
 JOB = "storm"
 TRAINER = [sys.executable, str(ROOT / "tests" / "storm_trainer.py")]

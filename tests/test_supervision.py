@@ -24,7 +24,7 @@ from flashckpt.errors import TierUnavailableError
 from flashckpt.format import tier_io
 from flashckpt.pidfile import holder, lock_pidfile
 from flashckpt.proc import parent_and_state
-from flashckpt.sources import run_with_tier
+from flashckpt.restore.sources import run_with_tier
 
 
 def test_the_claim_holder_is_read_from_the_lock_table_without_taking_the_lock(tmp_path):

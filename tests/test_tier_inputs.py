@@ -29,7 +29,7 @@ from flashckpt.errors import (
     TierUnavailableError,
 )
 from flashckpt.format import layout, tier_io
-from flashckpt.sources import CORRUPT_COPY, TierSource
+from flashckpt.restore.sources import CORRUPT_COPY, TierSource
 
 HANG_S = 20  # a read still blocked after this is a hang: the watchdog unblocks it and fails
 

@@ -21,7 +21,7 @@ from test_tiers import _unshare_works
 
 from flashckpt import Checkpointer, TierUnavailableError
 from flashckpt.format import tier_io
-from flashckpt.sources import run_with_tier
+from flashckpt.restore.sources import run_with_tier
 
 RETRY_S = 2.0  # outage_retry_s in these tests
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"

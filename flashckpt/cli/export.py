@@ -14,7 +14,7 @@ DTensor shards assembled into full tensors (``flashckpt.load``); ``--select mode
 A directory export is sharded as transformers shards when the tensors exceed
 --max-shard-size (default 5GB). Files are written under temporary names and renamed once
 complete. What a format cannot hold (safetensors: values JSON cannot hold, dtypes it lacks)
-is left out and said on stderr. See ``flashckpt.export`` for the details of each format.
+is left out and said on stderr. See ``flashckpt.restore.export`` for the details of each format.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, ConfigError, PickleNotAllowedError
-from ..export import DEFAULT_MAX_SHARD_SIZE, FORMATS, export, parse_size
+from ..restore.export import DEFAULT_MAX_SHARD_SIZE, FORMATS, export, parse_size
 from .common import (
     OK,
     SHM,

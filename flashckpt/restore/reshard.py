@@ -22,10 +22,10 @@ from typing import Protocol
 
 import torch
 
-from .errors import CheckpointNotFoundError, ManifestError
-from .format import layout, tier_io
-from .format.checksum import verify_entry
-from .format.manifest import Entry, Manifest, ShardInfo, dtype_from_name
+from ..errors import CheckpointNotFoundError, ManifestError
+from ..format import layout, tier_io
+from ..format.checksum import verify_entry
+from ..format.manifest import Entry, Manifest, ShardInfo, dtype_from_name
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from .errors import ManifestError
-from .format.checksum import chunk_mismatch, crc, verify_entry
-from .format.manifest import Entry, dtype_from_name
-from .snapshot import device
-from .snapshot.flatten import copy_into
+from ..errors import ManifestError
+from ..format.checksum import chunk_mismatch, crc, verify_entry
+from ..format.manifest import Entry, dtype_from_name
+from ..snapshot import device
+from ..snapshot.flatten import copy_into
 
 _PIECE = 1 << 19  # host copies: checked right after its copy, while still in the core's cache
 _STAGE = 4 << 20  # one staging buffer of a device upload

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
+from ..format import tier_io
+from ..storage_tiers.registry import redact
 from .entry_copy import Source
-from .errors import CheckpointNotFoundError, ConfigError, ManifestError
-from .format import tier_io
+from .into_state import Planner, refuse_pickles
 from .reshard import Resharder
-from .restore import Planner, refuse_pickles
 from .sources import run_with_tier
-from .storage_tiers.registry import redact
 
 
 def load(

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import group
-from .errors import TierUnavailableError
-from .format.lineage import Lineage, newest
+from .. import group
+from ..errors import TierUnavailableError
+from ..format.lineage import Lineage, newest
 
 log = logging.getLogger(__name__)
 

@@ -20,21 +20,21 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from . import group
-from .entry_copy import Source
-from .errors import (
+from .. import group
+from ..errors import (
     CheckpointNotFoundError,
     ChecksumError,
     ManifestError,
     SharedMemoryError,
     TierUnavailableError,
 )
-from .format import tier_io
-from .format.lineage import Lineage, newest
-from .format.slot import Slot
+from ..format import tier_io
+from ..format.lineage import Lineage, newest
+from ..format.slot import Slot
+from ..snapshot.slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
+from .entry_copy import Source
+from .into_state import plan, run
 from .reshard import MemoryShards, Resharder, per_rank, portable
-from .restore import plan, run
-from .snapshot.slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,7 +170,7 @@ class MemorySource:
 
 def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     """Open ``url`` on a private event loop, run ``fn(tier)``, close it (sync callers)."""
-    from .storage_tiers import open_tier
+    from ..storage_tiers import open_tier
 
     async def go() -> T:
         tier = open_tier(url)
@@ -189,8 +189,8 @@ class TierSource:
     what a store throttles."""
 
     def __init__(self, url: str, job: str, rank: int, verify: bool, together: bool = False):
-        from .storage_tiers import parse_spec
-        from .storage_tiers.registry import redact
+        from ..storage_tiers import parse_spec
+        from ..storage_tiers.registry import redact
 
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
+from ..format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
+from ..snapshot import device
+from ..snapshot.flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
 from . import optim_state
 from .entry_copy import Source
-from .errors import ManifestError, PickleNotAllowedError, StateMismatchError
-from .format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from .reshard import Resharder
-from .snapshot import device
-from .snapshot.flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
 
 Producer = Callable[["Source"], Any]
 MAX_LISTED = 10

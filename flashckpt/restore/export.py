@@ -1,4 +1,4 @@
-"""``flashckpt.export``: a committed step written as files other tools read without flashckpt.
+"""``flashckpt.restore.export``: a committed step written as files other tools read without flashckpt.
 
     export("file:///mnt/nvme/ckpt", "out/", "safetensors", step=1200, select="model")
 
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .loader import committed, load_from, resolve_job
 from .sources import run_with_tier
 

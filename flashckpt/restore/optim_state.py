@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .snapshot.flatten import is_dtensor
+from ..snapshot.flatten import is_dtensor
 
 
 def params_in_order(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
