@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from flashckpt import config
-from flashckpt.agent_client import agent_pid_path
 from flashckpt.cli.common import SECRETS, ScrubbingFormatter, describe_error, one_line
 from flashckpt.errors import ConfigError, FlashCkptError
+from flashckpt.faults.agent_client import agent_pid_path
 
 USAGE = 2
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

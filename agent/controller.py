@@ -35,9 +35,10 @@ import grpc
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
-from flashckpt import config, control
+from flashckpt import config
 from flashckpt.errors import ConfigError
-from flashckpt.events import EventLog
+from flashckpt.faults import control
+from flashckpt.faults.events import EventLog
 
 from .commits import Coverage
 

@@ -14,7 +14,7 @@ import grpc
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
 from flashckpt import config
-from flashckpt.agent_client import agent_pid_path, socket_path
+from flashckpt.faults.agent_client import agent_pid_path, socket_path
 from flashckpt.pidfile import PidFileBusy, lock_pidfile, pid_alive
 from flashckpt.safe_paths import private_dir
 

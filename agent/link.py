@@ -27,9 +27,9 @@ from flashckpt.proto import controller_pb2_grpc as pb_grpc
 from flashckpt.storage_tiers.registry import redact
 
 from flashckpt import config
-from flashckpt.control import Endpoint
-from flashckpt.heartbeat import Phase, pages
-from flashckpt.proc import parent_and_state
+from flashckpt.faults.control import Endpoint
+from flashckpt.faults.heartbeat import Phase, pages
+from flashckpt.faults.proc import parent_and_state
 
 from .jobs import Job
 

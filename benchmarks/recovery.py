@@ -110,8 +110,8 @@ def _kill_leftovers(shms: list[Path]) -> None:
 
 def run_policy(policy: str, tmp: Path, hang_floor: float, timeout: float, **env: str):
     """One job under ``policy``; its ``flashckpt report``."""
-    from flashckpt.events import read_events
-    from flashckpt.report import summarize
+    from flashckpt.faults.events import read_events
+    from flashckpt.faults.report import summarize
 
     floors = ({"FLASHCKPT_HANG_FLOOR": str(2 * hang_floor)},
               {"FLASHCKPT_HANG_FLOOR": str(hang_floor)})  # fmt: skip
@@ -141,7 +141,7 @@ def measure(policy: str, case: str, tmp: Path, hang_floor: float) -> dict:
 def torchrun_kill(tmp: Path, timeout: float) -> str:
     """The kill case under plain torchrun: no launcher events, so the fault is dated by the
     trainer's fault marker and every rank training again by the workers' own restores."""
-    from flashckpt.events import ENV, read_events
+    from flashckpt.faults.events import ENV, read_events
 
     log = tmp / "torchrun.events.jsonl"
     codes, took, _ = two_nodes("torchrun", tmp, timeout, FT_FAULTS=FAULTS["kill"],
@@ -157,7 +157,7 @@ def torchrun_kill(tmp: Path, timeout: float) -> str:
 
 
 def effective(args: argparse.Namespace, tmp: Path) -> None:
-    from flashckpt.report import render
+    from flashckpt.faults.report import render
 
     step_s = args.step_ms / 1000
     steps = int(args.effective * 60 / (step_s + 0.03))  # about 30 ms of real step and save

@@ -190,7 +190,7 @@ def run_one(n: int, args, work: Path, baseline: bool = False) -> dict:
 
 
 def analyse(n: int, args, plan: dict, samples, rss: float, sim: list[dict], events: Path) -> dict:
-    from flashckpt.events import read_events
+    from flashckpt.faults.events import read_events
 
     # Once the simulators stop, every node goes silent: what follows is not the schedule's.
     evs = [e for e in read_events(events) if e["time"] <= plan["stop"]]

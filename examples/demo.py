@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def launch(job: str, tmp: Path, **env: str) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "flashckpt.launcher", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "flashckpt.faults.launcher", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "3", str(HERE / "train.py")]  # fmt: skip
     full = {**os.environ, "FLASHCKPT_JOB": job, "DIGEST_FILE": str(tmp / job), "OMP_NUM_THREADS": "1",
             "LOGLEVEL": "ERROR", "DEMO_TIERS": f"file://{tmp / 'ckpt'}?keep_last=3", **env}  # fmt: skip

@@ -27,8 +27,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .faults.inprocess import run_recoverable
     from .format.manifest import FORMAT_VERSION
-    from .inprocess import run_recoverable
     from .restore.loader import load
     from .rng import RNG
 
@@ -39,7 +39,7 @@ _LAZY = {
     "Checkpointer": "checkpointer",
     "RNG": "rng",
     "load": "restore.loader",
-    "run_recoverable": "inprocess",
+    "run_recoverable": "faults.inprocess",
 }
 
 

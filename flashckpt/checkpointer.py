@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from . import config, group, heartbeat
-from .agent_client import AgentClient, socket_path
+from . import config, group
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
-from .events import EventLog
+from .faults import heartbeat
+from .faults.agent_client import AgentClient, socket_path
+from .faults.events import EventLog
+from .faults.heartbeat import Heartbeat, Phase
 from .format.lineage import Lineage
 from .format.manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
 from .format.slot import HEADER_SIZE, Slot, required_capacity
-from .heartbeat import Heartbeat, Phase
 from .restore.agreement import restore_agreed
 from .restore.sources import MemorySource, TierSource
 from .safe_paths import write_atomic

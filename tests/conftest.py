@@ -100,7 +100,7 @@ def run_dir(monkeypatch, tmp_path) -> Path:
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, grandchildren...), from /proc."""
-    from flashckpt.proc import parent_and_state
+    from flashckpt.faults.proc import parent_and_state
 
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

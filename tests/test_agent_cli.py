@@ -16,7 +16,7 @@ import pytest
 from conftest import METRICS, S3, wait_for
 from flashckpt.agent.cli import build_parser
 
-from flashckpt import control
+from flashckpt.faults import control
 
 AGENT = Path(sys.executable).parent / "flashckpt-agent"
 FLASHCKPT = Path(sys.executable).parent / "flashckpt"

@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, run_python
 
 from flashckpt import Checkpointer, ConfigError, RankBusyError, StateMismatchError, config
-from flashckpt.agent_client import SOCKET_PATH_MAX
+from flashckpt.faults.agent_client import SOCKET_PATH_MAX
 from flashckpt.format import layout
 from flashckpt.snapshot.slots import ranks_in
 

@@ -20,9 +20,9 @@ from flashckpt.agent.controller import Controller, InThread
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
-from flashckpt import control
 from flashckpt.errors import ConfigError
-from flashckpt.events import EventLog, read_events
+from flashckpt.faults import control
+from flashckpt.faults.events import EventLog, read_events
 
 TOKEN = "t" * 32
 JOB = "ctl"
@@ -351,7 +351,7 @@ WORKER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from flashckpt.heartbeat import Heartbeat, heartbeat_path, stacks_path
+    from flashckpt.faults.heartbeat import Heartbeat, heartbeat_path, stacks_path
     shm, job, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     (shm / job).mkdir(parents=True, exist_ok=True)
     hb = Heartbeat(heartbeat_path(shm, job, rank), stacks_path(shm, job, rank))

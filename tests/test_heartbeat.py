@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flashckpt import Checkpointer, ConfigError
-from flashckpt.events import EventLog, read_events
-from flashckpt.hang import Hang, HangPolicy, Watchdog
-from flashckpt.heartbeat import (
+from flashckpt.faults.events import EventLog, read_events
+from flashckpt.faults.hang import Hang, HangPolicy, Watchdog
+from flashckpt.faults.heartbeat import (
     Beat,
     Heartbeat,
     Phase,
@@ -26,9 +26,9 @@ from flashckpt.heartbeat import (
     remove_dead,
     stacks_path,
 )
-from flashckpt.launcher import NodeWatch
-from flashckpt.proc import parent_and_state
-from flashckpt.report import render, summarize
+from flashckpt.faults.launcher import NodeWatch
+from flashckpt.faults.proc import parent_and_state
+from flashckpt.faults.report import render, summarize
 from flashckpt.snapshot.slots import free_rank
 
 
@@ -253,7 +253,7 @@ def test_pages_left_by_dead_processes_are_removed_before_a_launcher_starts_worke
     code = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from flashckpt.heartbeat import Heartbeat, heartbeat_path, stacks_path\n"
+        "from flashckpt.faults.heartbeat import Heartbeat, heartbeat_path, stacks_path\n"
         "shm, job = Path(sys.argv[1]), 'stale'\n"
         "(shm / job).mkdir(parents=True, exist_ok=True)\n"
         "Heartbeat(heartbeat_path(shm, job, 2), stacks_path(shm, job, 2))\n"

@@ -26,7 +26,7 @@ import pytest
 from conftest import ROOT, descendants
 from faults import poll
 
-from flashckpt.events import events_path, read_events
+from flashckpt.faults.events import events_path, read_events
 
 TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"

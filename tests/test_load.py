@@ -136,7 +136,7 @@ def test_the_package_starts_without_torch_and_load_stays_the_function():
     without torch (a second or two each); what needs torch comes when first used, and
     importing the module behind ``flashckpt.load`` does not hide the function."""
     code = (
-        "import sys, flashckpt, flashckpt.launcher, flashckpt.cli, flashckpt.agent.controller\n"
+        "import sys, flashckpt, flashckpt.faults.launcher, flashckpt.cli, flashckpt.agent.controller\n"
         "assert 'torch' not in sys.modules, 'torch imported at start'\n"
         "import flashckpt.restore.export\n"
         "assert callable(flashckpt.load) and flashckpt.load.__name__ == 'load'\n"

@@ -12,7 +12,7 @@ import torch
 from conftest import run_python, wait_for
 
 from flashckpt import Checkpointer
-from flashckpt.agent_client import AgentClient
+from flashckpt.faults.agent_client import AgentClient
 from flashckpt.format import tier_io
 from flashckpt.restore.sources import run_with_tier
 from flashckpt.snapshot.slots import closed_marker_path, slot_path

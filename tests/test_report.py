@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashckpt.report import render, summarize
+from flashckpt.faults.report import render, summarize
 
 T0 = 1000.0
 
@@ -115,8 +115,8 @@ def test_events_that_are_not_failures_change_nothing():
 def project(*argv: str, events: list[dict] | None = None):
     import argparse
 
-    from flashckpt import projection
     from flashckpt.cli import report as cli
+    from flashckpt.faults import projection
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
@@ -165,7 +165,7 @@ def test_the_projection_takes_its_parts_from_the_logs_and_names_their_sources():
     assert m.recomputed.value == 2 and m.recomputed.source == "measured"
     assert (m.recover["restart"].value, m.recover["restart"].source) == (40, "given")
     assert m.recover["in-process"].source.startswith("default")  # no in-process recovery ran
-    from flashckpt import projection
+    from flashckpt.faults import projection
 
     text = projection.render(m)
     assert "save stall 8.0 ms a save (measured)" in text and "target 98.8%" in text

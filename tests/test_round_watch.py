@@ -12,7 +12,7 @@ import torch.distributed as dist
 from conftest import wait_for
 
 from flashckpt.errors import ConfigError
-from flashckpt.inprocess import RoundWatch, watch_setting
+from flashckpt.faults.inprocess import RoundWatch, watch_setting
 
 KEY = "flashckpt/ns/round"
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from flashckpt.agent_client import AgentClient, agent_pid
-from flashckpt.agent_keeper import AgentKeeper
-from flashckpt.control import launcher_path
 from flashckpt.errors import TierUnavailableError
+from flashckpt.faults.agent_client import AgentClient, agent_pid
+from flashckpt.faults.agent_keeper import AgentKeeper
+from flashckpt.faults.control import launcher_path
+from flashckpt.faults.proc import parent_and_state
 from flashckpt.format import tier_io
 from flashckpt.pidfile import holder, lock_pidfile
-from flashckpt.proc import parent_and_state
 from flashckpt.restore.sources import run_with_tier
 
 

@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import config, control
-from ..agent_client import agent_pid_path, socket_path
+from .. import config
 from ..errors import ConfigError, FlashCkptError
-from ..events import events_path
+from ..faults import control
+from ..faults.agent_client import agent_pid_path, socket_path
+from ..faults.events import events_path
+from ..faults.heartbeat import Phase, pages
 from ..format import tier_io
-from ..heartbeat import Phase, pages
 from ..pidfile import PidFileBusy, holder, lock_pidfile, pid_alive
 from ..snapshot.slots import free_rank, owner_path, unowned
 from ..storage_tiers.base import TEMP_GRACE_S

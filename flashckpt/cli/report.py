@@ -1,17 +1,17 @@
 """``flashckpt report EVENTS.jsonl... [--json]``: effective training time from the event logs
 ``flashckpt-run`` writes (one per node): failures and what each cost in detection, restart,
-restore and recomputed steps (see ``flashckpt.report``). With ``--project``, the effective
+restore and recomputed steps (see ``flashckpt.faults.report``). With ``--project``, the effective
 training time those parts project to at ``--gpus`` GPUs under a failure rate, for full
-restarts and in-process recovery (see ``flashckpt.projection``); the logs are optional then."""
+restarts and in-process recovery (see ``flashckpt.faults.projection``); the logs are optional then."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from .. import projection
-from ..events import read_events
-from ..report import render, summarize
+from ..faults import projection
+from ..faults.events import read_events
+from ..faults.report import render, summarize
 from .common import OK, Output, Problem
 
 NAME = "report"

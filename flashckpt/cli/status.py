@@ -12,8 +12,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from .. import control
 from ..errors import FlashCkptError
+from ..faults import control
 from ..pidfile import holder
 from .common import (
     OK,
@@ -92,7 +92,7 @@ _HEALTH = {0: "unknown", 1: "ok", 2: "failing"}
 
 
 def _agent_view(run: Path, job: str) -> dict[str, Any]:
-    from ..agent_client import AgentClient
+    from ..faults.agent_client import AgentClient
 
     try:
         client = AgentClient(job, run)

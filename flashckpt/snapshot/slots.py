@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
+
+# Against the layers, by design: a rank's files in shared memory are freed together, and the
+# heartbeat page and stack dump among them are named where they are written (faults/).
+from ..faults.heartbeat import heartbeat_path, stacks_path
 from ..format.manifest import Manifest
 from ..format.slot import Slot, SlotHeader, SlotState, shm_space_error
-from ..heartbeat import heartbeat_path, stacks_path
 from ..pidfile import PidFileBusy, lock_pidfile
 from ..safe_paths import private_dir
 

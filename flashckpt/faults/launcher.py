@@ -30,19 +30,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import config, control
+from .. import config
+from ..errors import FlashCkptError
+from ..pidfile import PidFileBusy, lock_pidfile
+from ..safe_paths import private_dir
+from . import control
 from .agent_keeper import AgentKeeper
-from .errors import FlashCkptError
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import Hang, HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, pages, read, remove_dead
-from .pidfile import PidFileBusy, lock_pidfile
 from .proc import parent_and_state
-from .safe_paths import private_dir
 
 if TYPE_CHECKING:
-    from .agent.controller import InThread
+    from ..agent.controller import InThread
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def controller_address(args) -> str:
 def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThread | None:
     """Serve the controller here if this host can bind its address, and tell this node's
     agent where it is; None when this node only reports to it, or runs without one."""
-    from .agent.controller import Controller, InThread
+    from ..agent.controller import Controller, InThread
 
     address = controller_address(args)
     token = control.token_from_env()

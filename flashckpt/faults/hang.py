@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import config
-from .errors import ConfigError
+from .. import config
+from ..errors import ConfigError
 from .heartbeat import STACK_SIGNAL, Beat, Phase, heartbeat_path, read, stacks_path
 
 log = logging.getLogger(__name__)

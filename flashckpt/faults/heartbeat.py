@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FlashCkptError
-from .pidfile import pid_alive
-from .safe_paths import open_file
+from ..errors import FlashCkptError
+from ..pidfile import pid_alive
+from ..safe_paths import open_file
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import grpc
 
-from . import config
-from .errors import ConfigError, TierUnavailableError
-from .pidfile import holder
+from .. import config
+from ..errors import ConfigError, TierUnavailableError
+from ..pidfile import holder
+from ..safe_paths import open_file, private_dir
 from .proc import parent_and_state
-from .safe_paths import open_file, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ def agent_pid(run_dir: Path, job: str) -> int | None:
 
 class AgentClient:
     def __init__(self, job: str, run_dir: Path):
-        from .proto import agent_pb2 as pb
-        from .proto import agent_pb2_grpc as pb_grpc
+        from ..proto import agent_pb2 as pb
+        from ..proto import agent_pb2_grpc as pb_grpc
 
         self.pb = pb
         self.job, self.run_dir = job, run_dir

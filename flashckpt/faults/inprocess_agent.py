@@ -64,7 +64,7 @@ class Standbys:
         while len(self.idle) < self.count:
             read, write = os.pipe()
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "flashckpt.standby"], stdin=subprocess.PIPE,
+                [sys.executable, "-u", "-m", "flashckpt.faults.standby"], stdin=subprocess.PIPE,
                 env={**os.environ, READY_FD_ENV: str(write)}, pass_fds=(write,), text=True,
             )  # fmt: skip
             os.close(write)

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import config, heartbeat
+from .. import config
+from . import heartbeat
 from .events import EventLog
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from . import config
-from .errors import ConfigError
-from .safe_paths import open_file, write_atomic
+from .. import config
+from ..errors import ConfigError
+from ..safe_paths import open_file, write_atomic
 
 MIN_TOKEN = 16
 
@@ -187,8 +187,8 @@ def job_status(endpoint: Endpoint, job: str, timeout: float = 3.0):
     does not answer."""
     import asyncio
 
-    from .proto import controller_pb2 as pb
-    from .proto import controller_pb2_grpc as pb_grpc
+    from ..proto import controller_pb2 as pb
+    from ..proto import controller_pb2_grpc as pb_grpc
 
     async def go():
         async with endpoint.channel() as channel:

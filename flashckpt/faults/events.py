@@ -14,8 +14,8 @@ import os
 import time
 from pathlib import Path
 
-from . import config
-from .safe_paths import open_file
+from .. import config
+from ..safe_paths import open_file
 
 log = logging.getLogger(__name__)
 

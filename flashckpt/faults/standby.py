@@ -26,8 +26,10 @@ def warm() -> None:
     import torch.nn  # noqa: F401
     import torch.optim  # noqa: F401
 
+    # Above faults/ in the layers, by design: a standby warms what the script it becomes
+    # imports, the package's doors included.
     import flashckpt  # noqa: F401
-    import flashckpt.inprocess  # noqa: F401
+    import flashckpt.faults.inprocess  # noqa: F401
 
 
 def run_as(assignment: dict) -> None:
