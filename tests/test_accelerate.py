@@ -108,7 +108,7 @@ from pathlib import Path
 root = Path(root)
 from accelerate import Accelerator
 import flashckpt.accelerate as fa
-from flashckpt import pointer
+from flashckpt.format import pointer
 
 acc = Accelerator(cpu=True)
 torch.manual_seed(0)

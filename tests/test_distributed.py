@@ -104,7 +104,8 @@ def test_a_ddp_job_restarted_at_another_world_size(shm_dir, run_dir, tmp_path):
 LISTING = textwrap.dedent(
     """
     import asyncio, json, os, torch.distributed as dist
-    from flashckpt import group, tier_io
+    from flashckpt import group
+    from flashckpt.format import tier_io
     from flashckpt.restore.sources import TierSource, run_with_tier
 
     dist.init_process_group("gloo")
