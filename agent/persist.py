@@ -15,9 +15,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
 from flashckpt.storage_tiers.registry import option
@@ -32,6 +33,7 @@ from flashckpt.snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, s
 from .trainers import Trainers
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OUTAGE_RETRY_S = 10.0
 """How long at most a failing tier waits before it is tried again, by default."""
@@ -70,6 +72,20 @@ class TierState:
         if self.lag_steps == 0:
             return 0.0
         return max(0.0, time.time() - self.newest_published_at)
+
+
+async def _all_or_none(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Run ``aws`` together; if one fails, cancel the others and wait until they have stopped
+    before raising. The uploads of a round read slots its locks guard: none may go on reading
+    once the round is over and a trainer writes into them again."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class SlotReader:
@@ -280,17 +296,24 @@ class TierWorker:
                         step[1], self.job, sorted({s.manifest.world_size for s in snaps}), world,
                     )  # fmt: skip
                 return None
+            runs = {s.manifest.incarnation for s in snaps}
+            if len(runs) > 1:  # a rank's slot still holds the step an earlier run saved
+                if step != self._refused:
+                    self._refused = step
+                    log.warning(
+                        "tier %s: step %d of job %s is held by ranks of different runs of the "
+                        "job (%s); not storing it until every rank here saves it again",
+                        self.state.url, step[1], self.job, sorted(runs),
+                    )  # fmt: skip
+                return None
             limit = asyncio.Semaphore(self.rank_concurrency)
-            done = await asyncio.gather(
-                *(
-                    self._persist_snapshot(s, limit, self._primary(s.manifest, required))
-                    for s in snaps
-                )
+            done = await _all_or_none(
+                self._persist_snapshot(s, limit, self._primary(s.manifest, required)) for s in snaps
             )
         written = sum(done)
         await tier_io.commit_step(
             self.tier, self.job, step[1], self.node, sorted(required), world or len(required),
-            snaps[0].manifest.lineage,
+            snaps[0].manifest.lineage, snaps[0].manifest.incarnation,
         )  # fmt: skip
         self.state.last_committed = step
         self.state.healthy, self.state.last_error = True, ""

@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 
 KIND = "ACCELERATE"
 POINTER = "flashckpt.pointer"  # the file of a save directory that names the step
-_CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")
+_CHECKPOINT = re.compile(r"^checkpoint_([0-9]+)$")
 # Files Accelerate's own save_state writes: a directory with one of them is Accelerate's.
 _ACCELERATE_FILE = re.compile(
     r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|"

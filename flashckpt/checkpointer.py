@@ -98,6 +98,7 @@ class Checkpointer:
         self._agent: AgentClient | None = None
         self._last_saved: int | None = None
         self._lineage: Lineage | None = None  # the branch saves go to; set by restore()
+        self._incarnation = 0  # the run of the job saves belong to; set by restore()
         self._heartbeat: Heartbeat | None = None  # made once the rank is claimed
         self._no_heartbeat = False
         self._events = EventLog.from_env()  # set by flashckpt-run
@@ -121,6 +122,7 @@ class Checkpointer:
                 chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
                 lineage=self._lineage or Lineage(),
                 replicas=replicas if any(lf.replicated for lf in leaves) else None,
+                incarnation=self._incarnation,
             )  # fmt: skip
             raw = manifest.to_json()
             self._connect_agent()
@@ -444,6 +446,7 @@ class Checkpointer:
                      "generation %d", self.job, self.rank, got.step, got.newest_held,
                      got.lineage.generation)  # fmt: skip
         self._lineage = got.lineage
+        self._incarnation = got.incarnation
         return got.step
 
     def _connect_agent(self) -> None:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # torchrun's per-invocation rendezvous id (--standalone, or one node with no --rdzv-id): a uuid4
 _RANDOM_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
-_LOCAL_RANK_ARG = re.compile(r"--local[-_]rank=\d+")  # added per worker by the legacy launcher
+_LOCAL_RANK_ARG = re.compile(r"--local[-_]rank=[0-9]+")  # added per worker by the legacy launcher
 
 DEFAULT_SHM_DIR = "/dev/shm/flashckpt"
 DEFAULT_RUN_DIR = "/tmp/flashckpt-run"
@@ -247,7 +247,12 @@ def node_name() -> str:
     import socket
 
     raw = str(setting("node", None, socket.gethostname()))
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in raw)[:64] or "node"
+    # ASCII alone: a commit marker's name is parsed with [A-Za-z0-9._-] (isalnum() would let
+    # other scripts' letters through, and the node's markers would never be read back).
+    return (
+        "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in raw)[:64]
+        or "node"
+    )
 
 
 def local_world_size() -> int:

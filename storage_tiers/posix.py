@@ -11,7 +11,8 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,7 +31,7 @@ from .base import (
     temp_target,
 )
 from .os_errors import explain, kind_of, not_a_file
-from .registry import mode_option
+from .registry import as_bool, mode_option, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,9 +49,26 @@ class PosixTier(Tier):
         # Snapshots are the model: readable by the owner alone unless the URL says otherwise.
         self.file_mode = mode_option(spec, "mode")
         self.dir_mode = mode_option(spec, "dir_mode")
+        # create=0: a missing root is an error (an unmounted file system), not made on the
+        # node's own disk by the first write nor listed as empty.
+        self.create = option(spec, "create", True, as_bool)
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
+
+    def _link_on_way(self, path: Path) -> Path | None:
+        """The first symbolic link on the way from the root to ``path`` (``path`` included, the
+        root not: it may be one, the owner chose it); None if there is none. Nothing inside a
+        tier is a link flashckpt wrote, and following one would read or delete elsewhere."""
+        here = self.root
+        for part in path.relative_to(self.root).parts:
+            here = here / part
+            try:
+                if stat.S_ISLNK(os.lstat(here).st_mode):
+                    return here
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        return None
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -75,10 +93,11 @@ class PosixTier(Tier):
                 here = here.parent  # a file on the way: the walk up names it
                 continue
             except FileNotFoundError:
-                if not create:
+                if not create or not self.create:
                     raise TierUnavailableError(
                         errno.ENOENT,
-                        f"{self.spec.url}: there is no directory {self.root}; check the path",
+                        f"{self.spec.url}: there is no directory {self.root}; check the path"
+                        + ("" if self.create else " (create=0: is its file system mounted?)"),
                     ) from None
                 here = here.parent  # made by the first put: what is above must be a directory
                 continue
@@ -109,6 +128,8 @@ class PosixTier(Tier):
         self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
     ) -> None:
         path = self._path(key)
+        if not self.create:
+            await self.check_location()
         try:
             await asyncio.to_thread(self._room_for, size)
             temp = await asyncio.to_thread(_Temp.create, path, self.file_mode, self.dir_mode)
@@ -154,12 +175,16 @@ class PosixTier(Tier):
 
     def _open_read(self, key: str) -> int:
         """An fd of ``key``'s file, which must be a regular file: anything else (a FIFO, a
-        device, a socket, a symlink to one) is refused unread, never waited on."""
+        device, a socket, a symbolic link anywhere inside the tier) is refused unread, never
+        waited on."""
         path = self._path(key)
+        if (link := self._link_on_way(path)) is not None:
+            raise not_a_file(self.spec.url, key, link, _link_kind(link))
         try:
             kind = kind_of(os.stat(path).st_mode)
             # Non-blocking: what stands there may change between the stat and the open.
-            fd = None if kind else os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = None if kind else os.open(path, flags)
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(
                 f"tier {self.spec.url} has no object {key!r}: expected the file {path}, found "
@@ -219,26 +244,33 @@ class PosixTier(Tier):
         return await asyncio.to_thread(self._list, check_key(prefix, prefix=True))
 
     def _list(self, prefix: str) -> list[str]:
+        if not self.create:
+            self._check_root(False)
         base = self.root / prefix if prefix else self.root
+        if self._link_on_way(base) is not None:
+            return []  # a link is no part of the tier: what it points at is not listed
         if base.is_file():
             return [prefix]
-        keys: list[str] = []
         try:
-            walk = list(os.walk(base, onerror=_raise))
+            found = list(_files(base))
         except PermissionError as exc:
             raise self._translate(exc, prefix, 0, "read") from exc
-        for dirpath, _dirs, files in walk:
-            rel = os.path.relpath(dirpath, self.root)
-            for name in files:
-                if not name.startswith(TEMP_PREFIX):
-                    keys.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
-        return sorted(keys)
+        keys = [os.path.relpath(p, self.root).replace(os.sep, "/") for p in found]
+        return sorted(k for k in keys if not os.path.basename(k).startswith(TEMP_PREFIX))
 
     async def delete(self, prefix: str) -> None:
         await asyncio.to_thread(self._delete, check_delete_prefix(prefix, self.spec.url))
 
     def _delete(self, prefix: str) -> None:
         target = self.root / prefix
+        link = self._link_on_way(target.parent) if target.parent != self.root else None
+        if link is not None:
+            raise TierUnavailableError(
+                errno.ELOOP,
+                f"{self.spec.url}: {link} is a symbolic link; nothing is deleted through it "
+                f"(flashckpt writes no links into a tier): replace it with the directory it "
+                "points at, or remove it",
+            )
         try:
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
@@ -257,12 +289,12 @@ class PosixTier(Tier):
     def _leftovers(self, prefix: str) -> list[Leftover]:
         """Temporaries under ``prefix``: a crashed writer's, or a live one's (fresh mtime)."""
         found = []
-        for dirpath, _dirs, files in os.walk(self.root / prefix if prefix else self.root):
-            for name in files:
-                target = temp_target(name)
-                if target is None:
-                    continue
-                path = Path(dirpath) / name
+        base = self.root / prefix if prefix else self.root
+        if self._link_on_way(base) is not None:
+            return []
+        for path in _files(base):
+            target = temp_target(path.name)
+            if target is not None:
                 key = Path(os.path.relpath(path.with_name(target), self.root)).as_posix()
                 try:
                     st = os.lstat(path)
@@ -295,10 +327,31 @@ class PosixTier(Tier):
         """Nothing to release: every call opens and closes its own file."""
 
 
-def _raise(exc: OSError) -> None:
-    """os.walk's onerror: an unreadable directory must fail the listing, not shrink it."""
-    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):  # absent: nothing to list
-        raise exc
+def _link_kind(link: Path) -> str:
+    """A symbolic link in words, with what it points at."""
+    try:
+        target = kind_of(os.stat(link).st_mode) or "a regular file"
+    except OSError:
+        target = "nothing"
+    return f"a symbolic link to {target}"
+
+
+def _files(base: Path) -> Iterator[Path]:
+    """What is under ``base`` that is neither a directory nor a symbolic link (os.walk lists a
+    link to a file as a file, and descends into none but lists links to directories). An unreadable directory fails the listing rather than shrink it; a missing
+    one (nothing written yet, or removed meanwhile) holds nothing."""
+    stack = [base]
+    while stack:
+        here = stack.pop()
+        try:
+            with os.scandir(here) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+                    elif not entry.is_symlink():  # a FIFO or device too: its read refuses it
+                        yield Path(entry.path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
 
 
 class _Temp:
@@ -340,7 +393,7 @@ class _Temp:
         fd, self.fd = self.fd, None
         os.close(fd)
         os.replace(self.path, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     async def discard(self) -> None:
         if self._busy is not None:
@@ -376,10 +429,10 @@ def _make_dirs(parent: Path, mode: int) -> None:
             os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept
         finally:
             os.close(fd)
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -50,19 +50,21 @@ class TierEntry:
 MODE_OPTIONS: dict[str, tuple[int, int, str]] = {
     "mode": (0o600, 0o600, "0640"), "dir_mode": (0o700, 0o700, "0750"),
 }  # fmt: skip
+# ``create=0``: the tier's root directory must exist (a mount point's directory), never made.
+DIRECTORY_OPTIONS = frozenset([*MODE_OPTIONS, "create"])
 
 _REGISTRY: dict[str, TierEntry] = {
     "file": TierEntry(
         "flashckpt.storage_tiers.local:LocalTier",
         Scope.NODE,
         path_like=True,
-        options=frozenset(MODE_OPTIONS),
+        options=DIRECTORY_OPTIONS,
     ),
     "pfs": TierEntry(
         "flashckpt.storage_tiers.parallel_fs:ParallelFsTier",
         Scope.SHARED,
         path_like=True,
-        options=frozenset(MODE_OPTIONS),
+        options=DIRECTORY_OPTIONS,
     ),
     "s3": TierEntry(
         "flashckpt.storage_tiers.s3:S3Tier",
@@ -302,9 +304,17 @@ def _check_options(spec: TierSpec, entry: TierEntry) -> None:
     for name, convert in POLICY_OPTIONS.items():
         if option(spec, name, 0, convert) < 0:
             raise ConfigError(f"tier {spec.url}: option {name}={spec.options[name]!r} must be >= 0")
+    if spec.scope is Scope.SHARED and option(spec, "temp_grace_s", 1.0, float) <= 0:
+        raise ConfigError(
+            f"tier {spec.url}: temp_grace_s=0 on a shared tier would remove the uploads other "
+            "nodes are writing now; give it more than the longest pause between two parts of "
+            "an upload (the default is 3600 seconds)"
+        )
     for name in MODE_OPTIONS:
         if name in spec.options:
             mode_option(spec, name)
+    if "create" in spec.options:
+        option(spec, "create", True, as_bool, "1 or 0")
 
 
 def mode_option(spec: TierSpec, name: str) -> int:

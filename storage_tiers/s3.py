@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from datetime import datetime
 from typing import Any, TypeVar
 
 import botocore.exceptions
@@ -355,13 +356,14 @@ class S3Tier(Tier):
     # -- list / delete -----------------------------------------------------------------------
 
     def _under(self, prefix: str) -> tuple[str, Callable[[str], bool]]:
-        """The S3 ``Prefix`` to list ``prefix`` with (a tier key, possibly ``""``), and a test
-        that keeps the full names in its tree (a sibling like ``step-10`` of ``step-1`` out)."""
+        """The S3 ``Prefix`` to list the tree ``prefix`` with (a tier key, possibly ``""``), and
+        a test that keeps the full names in it. The prefix ends in ``/``: without it, listing
+        ``step-1`` (or a tier at ``run1``) would page through ``step-10...`` (``run10/...``)."""
         rel = check_key(prefix, prefix=True)
         full = self._key(rel)
-        if not rel:
-            return (full + "/" if full else ""), lambda name: True
-        return full, lambda name: name == full or name.startswith(full + "/")
+        if not full:
+            return "", lambda name: True
+        return full + "/", lambda name: name.startswith(full + "/")
 
     async def list(self, prefix: str) -> list[str]:
         s3_prefix, inside = self._under(prefix)
@@ -377,12 +379,21 @@ class S3Tier(Tier):
                 if inside(name):
                     keys.append(name[strip:])
             if not page.get("IsTruncated"):
-                return sorted(keys)
+                break
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        if not keys and s3_prefix:  # ``prefix`` may name one object: the first key from it
+            full = s3_prefix[:-1]
+            page = await self._call("list", prefix, "list_objects_v2", Bucket=self.bucket,
+                                    Prefix=full, MaxKeys=1)  # fmt: skip
+            if [obj["Key"] for obj in page.get("Contents", [])] == [full]:
+                keys.append(full[strip:])
+        return sorted(keys)
 
     async def leftovers(self, prefix: str) -> list[Leftover]:
         """The multipart uploads under ``prefix`` never completed (a live writer's, or a dead
-        one's), with the bytes their parts hold."""
+        one's), with the bytes their parts hold. An upload's age runs from its newest part:
+        its ``Initiated`` time does not move while parts arrive, so an upload longer than the
+        grace period would look dead to every other node while its writer is still at it."""
         s3_prefix, inside = self._under(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": s3_prefix}
@@ -392,27 +403,32 @@ class S3Tier(Tier):
             for upload in page.get("Uploads", []):
                 name = upload["Key"]
                 if inside(name):
-                    size = await self._parts_size(prefix, name, upload["UploadId"])
-                    found.append(Leftover(name[strip:], upload["UploadId"], size,
-                                          upload["Initiated"].timestamp()))  # fmt: skip
+                    size, newest = await self._parts(prefix, name, upload["UploadId"])
+                    modified = max(upload["Initiated"].timestamp(), newest)
+                    found.append(Leftover(name[strip:], upload["UploadId"], size, modified))
             if not page.get("IsTruncated"):
                 return found
             kwargs["KeyMarker"] = page["NextKeyMarker"]
             kwargs["UploadIdMarker"] = page["NextUploadIdMarker"]
 
-    async def _parts_size(self, prefix: str, full: str, upload_id: str) -> int | None:
+    async def _parts(self, prefix: str, full: str, upload_id: str) -> tuple[int | None, float]:
+        """The bytes an upload's parts hold (None: completed or aborted meanwhile) and when
+        its newest part was written (0.0: no part yet)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id}
-        total = 0
+        total, newest = 0, 0.0
         while True:
             try:
                 page = await self._call("list parts", prefix, "list_parts", **kwargs)
             except Exception as exc:
                 if error_code(exc)[0] == "NoSuchUpload":  # completed or aborted meanwhile
-                    return None
+                    return None, newest
                 raise
-            total += sum(p["Size"] for p in page.get("Parts", []))
+            for part in page.get("Parts", []):
+                total += part["Size"]
+                if isinstance(part.get("LastModified"), datetime):
+                    newest = max(newest, part["LastModified"].timestamp())
             if not page.get("IsTruncated"):
-                return total
+                return total, newest
             kwargs["PartNumberMarker"] = page["NextPartNumberMarker"]
 
     async def remove_leftover(self, leftover: Leftover) -> None:

@@ -428,3 +428,57 @@ def test_list_and_fetch_restore_rpcs(shm_dir, run_dir, tmp_path):
             err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             and "job name" in err.value.details()
         )
+
+
+def test_a_failed_round_stops_every_upload_before_the_trainers_get_their_slots_back(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    """Rank 0's upload fails at once while rank 1's is still going: the round ends only once
+    rank 1's has stopped too, since its bytes are read from a slot the trainer then reuses."""
+    import asyncio
+    import errno
+
+    from flashckpt.agent.persist import TierWorker
+    from flashckpt.storage_tiers import open_tier
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    running: set[str] = set()
+
+    class Failing:
+        """The directory tier, with rank 0's data failing (disk full) and rank 1's slow."""
+
+        def __init__(self, tier):
+            self.tier = tier
+
+        async def put(self, key, chunks, size):
+            if "rank-0/data" in key:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            running.add(key)
+            try:
+                await asyncio.sleep(5)
+                await self.tier.put(key, chunks, size)
+            finally:
+                running.discard(key)
+
+        def __getattr__(self, name):
+            return getattr(self.tier, name)
+
+    trainers = [Checkpointer(job="round", rank=r, run_dir=run_dir) for r in (0, 1)]
+    try:
+        for ck in trainers:
+            ck.save(1, {"t": torch.ones(1 << 20)})
+
+        async def go() -> bool:
+            worker = TierWorker("round", Failing(open_tier(f"file://{tmp_path / 'nvme'}")),
+                                shm_dir, "n0")  # fmt: skip
+            try:
+                with pytest.raises(OSError, match="No space"):
+                    await worker.persist_newest()
+                return not running  # nothing still reads a slot
+            finally:
+                await worker.close()
+
+        assert asyncio.run(go()), f"still uploading after the round failed: {running}"
+    finally:
+        for ck in trainers:
+            ck.close()

@@ -159,7 +159,7 @@ def test_secrets_are_learnt_from_urls_and_masked():
 
 def test_ls_lists_jobs_then_a_jobs_steps_and_says_what_is_missing(tmp_path):
     root = tmp_path / "tier"
-    url = f"file://{root}"
+    url = f"pfs://{root}"  # shared: a step is committed once every rank of the job is
     store(url, "alpha", [1, 2])
     store(url, "alpha", [3], ranks=[0])  # one rank of two committed
     store(url, "alpha", [4], commit=False)  # an upload in flight
@@ -184,6 +184,9 @@ def test_ls_lists_jobs_then_a_jobs_steps_and_says_what_is_missing(tmp_path):
     ]
     nowhere = cli("ls", f"file://{tmp_path / 'nope'}")
     assert nowhere.returncode == 1 and "there is no directory" in nowhere.stderr
+    node = cli("ls", f"file://{root}", "--job", "alpha", "--json")  # node-local: its ranks
+    assert node.returncode == 0, node.stderr
+    assert as_json(node)["steps"][2]["state"] == "committed", node.stdout
     two = cli("verify", url)
     assert two.returncode == 2 and "holds 2 jobs (alpha, beta); pick one with --job" in two.stderr
 
@@ -352,6 +355,36 @@ def test_gc_applies_retention_and_never_removes_the_newest_committed_step(tmp_pa
     assert (root / layout.manifest_key("job", 5, 0)).exists()  # the newest stays, always
     zero = cli("gc", url, "--keep-last", "0")
     assert zero.returncode == 2 and "'0' is not a whole number of at least 1" in zero.stderr
+
+
+def test_a_node_tier_of_a_multi_node_job_is_pruned_online_and_offline(tmp_path):
+    """Each node's own directory holds only its ranks and its commit markers: its steps are
+    committed for those ranks, so retention (the agent's and ``flashckpt gc``'s) applies."""
+    root = tmp_path / "nvme1"
+    url = f"file://{root}"
+
+    async def go():
+        tier = open_tier(url)
+        try:
+            for step in range(1, 6):
+                for r in (2, 3):  # node 1 of a 4-rank job: ranks 2 and 3
+                    m, data = shard("job", step, r, 4)
+                    await tier_io.write_rank(tier, m, memoryview(data), primary=2)
+                await tier_io.commit_step(tier, "job", step, "node1", [2, 3], 4)
+            assert await tier_io.committed_steps(tier, "job") == [1, 2, 3, 4, 5]
+            await tier_io.apply_retention(tier, "job", 3, None)  # what the agent runs
+            return await tier_io.committed_steps(tier, "job")
+        finally:
+            await tier.close()
+
+    assert asyncio.run(go()) == [3, 4, 5]
+    done = cli("gc", url, "--keep-last", "1")
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in root.joinpath("job").iterdir()] == ["step-000000000005"]
+    shared = tmp_path / "pfs"
+    store(f"pfs://{shared}", "job", [1, 2], world=4, ranks=[2, 3])  # a shared tier: partial
+    assert cli("gc", f"pfs://{shared}", "--keep-last", "1").returncode == 0
+    assert len(list(shared.joinpath("job").iterdir())) == 2  # nothing there is committed
 
 
 DEAD = """

@@ -96,3 +96,24 @@ def test_a_failed_put_leaves_nothing_under_its_name(url):
         return await tier.list("job/")
 
     assert run_with_tier(url, go) == ["job/step-1/rank-0/manifest.json"]
+
+
+def test_a_put_to_a_local_fsspec_tier_is_fsynced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """As the directory tiers do: after a power loss a marker is never durable before the
+    data it commits."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    root = tmp_path / "tier"
+    url = f"fsspec+file://{root}"  # commit=rename, the default there
+    run_with_tier(url, lambda t: t.put("job/step-1/obj", [memoryview(b"x" * 10)], 10))
+    final = root / "job" / "step-1" / "obj"
+    assert final.read_bytes() == b"x" * 10
+    files = [p for p in synced if Path(p).parent == final.parent and Path(p) != final.parent]
+    assert files, f"the file was never fsynced: {synced}"
+    assert synced.index(str(final.parent)) > synced.index(files[0]), synced  # file, then dir

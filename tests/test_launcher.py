@@ -265,3 +265,41 @@ def test_a_ranks_newest_step_corrupt_everywhere_sends_every_rank_to_the_step_bef
     assert sorted(resumed) == list(range(NODES * PER_NODE)), explain(run)
     assert {e["step"] for e in resumed.values()} == {8}, resumed
     assert run.digest == reference
+
+
+def held_steps(root: Path, job: str) -> dict[int, set[int]]:
+    """The steps a directory tier holds of ``job``, with the ranks stored in each."""
+    out = {}
+    for step_dir in sorted((root / job).glob("step-*")):
+        ranks = {int(p.name.split("-")[1]) for p in step_dir.glob("rank-*")}
+        out[int(step_dir.name.split("-")[1].split(".")[0])] = ranks
+    return out
+
+
+@pytest.mark.slow
+def test_node_tiers_of_a_multi_node_job_keep_only_keep_last_steps(tmp_path):
+    """Two nodes, each with its own NVMe directory and the shared PFS, both ``keep_last=2``:
+    after 30 steps every tier holds the last two, each node's NVMe its own two ranks of them."""
+    pfs = tmp_path / "keep-pfs"
+    env = tuple({"FT_TIERS": f"file://{tmp_path / f'keep-nvme{n}'}?keep_last=2,"
+                             f"pfs://{pfs}?keep_last=2"} for n in range(NODES))  # fmt: skip
+    cluster = Cluster(tmp_path, "keep", env)
+    try:
+        for node in range(NODES):
+            cluster.start(node)
+        for proc in cluster.procs:
+            proc.wait(240)
+        # The agents prune right after each commit, which close() waited for: give the last
+        # pass a moment before the agents are stopped.
+        tiers = [pfs, *(tmp_path / f"keep-nvme{n}" for n in range(NODES))]
+        poll(lambda: all(len(held_steps(t, cluster.job)) <= 2 for t in tiers), 10, 0.1)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0], explain(run)
+    assert held_steps(pfs, cluster.job) == {28: {0, 1, 2, 3}, 29: {0, 1, 2, 3}}
+    for node in range(NODES):
+        ours = {node * PER_NODE + r for r in range(PER_NODE)}
+        nvme = held_steps(tmp_path / f"keep-nvme{node}", cluster.job)
+        assert nvme == {28: ours, 29: ours}, (node, nvme)

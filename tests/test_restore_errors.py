@@ -15,7 +15,7 @@ from flashckpt import (
     ManifestError,
     StateMismatchError,
 )
-from flashckpt.format.manifest import Entry, Manifest, ShardInfo
+from flashckpt.format.manifest import FORMAT_VERSION, Entry, Manifest, ShardInfo
 
 
 def test_wrong_shape_model_lists_mismatches_and_loads_nothing(shm_dir):
@@ -101,7 +101,8 @@ def test_newer_manifest_format_is_refused():
     doc = json.loads(m.to_json())
     doc["format_version"] = 99
     with pytest.raises(
-        ManifestError, match="format_version 99, newer than the 2 .* upgrade flashckpt"
+        ManifestError,
+        match=f"format_version 99, newer than the {FORMAT_VERSION} .* upgrade flashckpt",
     ):
         Manifest.from_json(json.dumps(doc))
 

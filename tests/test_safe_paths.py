@@ -351,29 +351,37 @@ def test_agent_start_removes_crashed_uploads_but_not_another_nodes_live_ones(
 def test_agent_start_aborts_own_s3_uploads_and_spares_young_foreign_ones(
     shm_dir, s3_bucket, s3_server
 ):
-    """moto dates every upload 2010-11-10: a grace of 10**9 s (32 years) makes it young."""
+    """moto dates every upload's start 2010-11-10 (its parts: when they were written): a grace
+    of 10**9 s (32 years) makes every upload young. An upload's age runs from its newest part,
+    so a live one that started long ago is spared; one with no part since is a dead writer's."""
     s3 = s3_server.client()
 
-    def upload(key: str) -> None:
+    def upload(key: str, part: bool = True) -> None:
         full = f"ck/{key}"
         up = s3.create_multipart_upload(Bucket=s3_bucket, Key=full)
-        s3.upload_part(Bucket=s3_bucket, Key=full, UploadId=up["UploadId"], PartNumber=1, Body=b"x")
+        if part:
+            s3.upload_part(Bucket=s3_bucket, Key=full, UploadId=up["UploadId"], PartNumber=1,
+                           Body=b"x")  # fmt: skip
 
     def pending() -> list[str]:
         return [u["Key"] for u in s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
 
     upload(layout.data_key("tj", 5, 0))
-    upload(layout.data_key("tj", 5, 1))
+    upload(layout.data_key("tj", 5, 1))  # another node's, started 2010, a part just now: live
+    upload(layout.data_key("tj", 4, 1), part=False)  # another node's, nothing since 2010: dead
     upload(layout.data_key("tk", 5, 1))
     with Checkpointer(job="tj", rank=0) as ck:
         ck.save(1, {"t": torch.ones(2)})
         _start_worker(f"s3://{s3_bucket}/ck?temp_grace_s=1000000000", shm_dir)
         assert sorted(pending()) == [
+            f"ck/{layout.data_key('tj', 4, 1)}",
             f"ck/{layout.data_key('tj', 5, 1)}",
             f"ck/{layout.data_key('tk', 5, 1)}",
         ]
-        _start_worker(f"s3://{s3_bucket}/ck", shm_dir)  # past the default grace: crashed
-    assert pending() == [f"ck/{layout.data_key('tk', 5, 1)}"]
+        _start_worker(f"s3://{s3_bucket}/ck", shm_dir)  # the default grace: one hour
+    # Judged by its start (2010), the live upload would be aborted here and retried forever.
+    assert sorted(pending()) == [f"ck/{layout.data_key('tj', 5, 1)}",
+                                 f"ck/{layout.data_key('tk', 5, 1)}"]  # fmt: skip
 
 
 def test_retention_removes_crashed_temporaries_older_than_the_grace(tmp_path):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import S3
 from flashckpt.storage_tiers import open_tier, parse_spec
 from flashckpt.storage_tiers.os_errors import explain
 from test_corruption import JOB, STEP_NEW, STEP_OLD, Template, blank, stage
@@ -311,3 +314,84 @@ async def _listing(url: str) -> tier_io.Listing:
         return await tier_io.list_steps(tier, JOB)
     finally:
         await tier.close()
+
+
+# ---- names and links inside a tier ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["file", "pfs"])
+def test_a_directory_tier_follows_no_symbolic_link_inside_it(tmp_path: Path, scheme: str):
+    """Nothing flashckpt writes is a link: one inside the tier is neither listed, read nor
+    deleted through (retention once emptied what a linked job directory pointed at)."""
+    root, elsewhere = tmp_path / "tier", tmp_path / "elsewhere"
+    url = f"{scheme}://{root}"
+    with Checkpointer(url, job="real", shm_dir=tmp_path / "shm", run_dir=tmp_path / "run") as ck:
+        ck.save(1, {"t": torch.ones(8)})
+        ck.wait(1, tier=url, timeout=60)
+    shutil.copytree(root / "real", elsewhere / "linked")
+    (root / "linked").symlink_to(elsewhere / "linked")  # a job directory that is a link
+    step = root / "real" / "step-000000000001" / "rank-0"
+    (step / "manifest.json").rename(tmp_path / "outside.json")
+    (step / "manifest.json").symlink_to(tmp_path / "outside.json")  # a file that is a link
+    listing = run(tier_io.list_steps(open_tier(url), "linked"))
+    assert listing == {}  # what the link points at is not the tier's
+    with pytest.raises(ManifestError, match="symbolic link to a regular file"):
+        run(tier_io.read_manifest(open_tier(url), "real", 1, 0))
+    with pytest.raises(TierUnavailableError, match="symbolic link; nothing is deleted"):
+        run(open_tier(url).delete("linked/step-000000000001"))
+    assert (elsewhere / "linked" / "step-000000000001").is_dir()
+    keys = run(open_tier(url).list("real/"))
+    assert "real/step-000000000001/rank-0/manifest.json" not in keys and keys
+
+
+def test_names_read_back_from_a_tier_are_ascii(tmp_path: Path, monkeypatch):
+    """``\\d`` takes every script's digits and int() reads them: a stray ``step-١`` would
+    commit step 1 under a name no key of step 1 has, never to be deleted."""
+    keys = ["j/step-\u0661/commit-n.json", "j/step-2/commit-n.json"]
+    assert list(layout.parse_keys("j", keys)) == [(0, 2)]
+    assert not layout.written_by("j", "j/step-2/rank-\u0661/data", "n", [1])
+    monkeypatch.setenv("FLASHCKPT_NODE", "n\u0153ud-\u0661")
+    from flashckpt import config
+
+    node = config.node_name()
+    assert node.isascii(), node
+    marker = layout.CommitMarker(node, (0,), 1).to_json()
+    assert layout.CommitMarker.from_json(marker).node == node  # its markers are read back
+
+
+def test_a_shared_tier_refuses_a_grace_of_zero_for_other_nodes_uploads():
+    with pytest.raises(ConfigError, match="temp_grace_s=0 on a shared tier"):
+        parse_spec("pfs:///mnt/pfs/ckpt?temp_grace_s=0")
+    assert parse_spec("file:///nvme/ckpt?temp_grace_s=0").options["temp_grace_s"] == "0"
+
+
+@S3
+def test_an_s3_listing_asks_only_for_the_tree_it_lists(s3_server, s3_bucket):
+    """``run1`` without its ``/`` would page through ``run10/...`` too (and ``job`` through
+    ``job10/...``): with thousands of such siblings, each listing costs pages of them."""
+    tier = open_tier(f"s3://{s3_bucket}/run1?endpoint_url={s3_server.endpoint_url}")
+    sibling = open_tier(f"s3://{s3_bucket}/run10?endpoint_url={s3_server.endpoint_url}")
+    asked: list[str] = []
+    real = tier._request
+
+    async def spy(method, **kwargs):
+        if method in ("list_objects_v2", "list_multipart_uploads"):
+            asked.append(kwargs.get("Prefix", ""))
+        return await real(method, **kwargs)
+
+    tier._request = spy
+
+    async def go():
+        try:
+            await tier.put("job/step-000000000001/x", [memoryview(b"x")], 1)
+            await sibling.put("job/step-000000000001/y", [memoryview(b"y")], 1)
+            await tier.put("job10/step-000000000001/z", [memoryview(b"z")], 1)
+            return [await tier.list(""), await tier.list("job"), await tier.leftovers("job/")]
+        finally:
+            await tier.close()
+            await sibling.close()
+
+    everything, job, leftovers = run(go())
+    assert everything == ["job/step-000000000001/x", "job10/step-000000000001/z"]
+    assert job == ["job/step-000000000001/x"] and leftovers == []
+    assert asked and all(p.endswith("/") for p in asked), asked

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -226,3 +227,80 @@ def test_a_restore_with_nothing_found_refuses_to_start_over_while_a_tier_cannot_
         s3_server.start()
     with Checkpointer(tier, job="blind", **fresh) as ck:
         assert ck.restore(restored) == 3 and float(restored["t"][0]) == 3.0
+
+
+@S3
+def test_a_tier_that_cannot_be_listed_fails_the_restore_even_when_another_holds_an_older_step(
+    shm_dir, run_dir, tmp_path, s3_server, s3_bucket
+):
+    nvme, s3 = tmp_path / "nvme", f"s3://{s3_bucket}/run?retry_attempts=1"
+    with Checkpointer(f"file://{nvme}", s3, job="older") as ck:
+        for step in range(1, 6):
+            ck.save(step, {"t": torch.full((1024,), float(step))})
+            for tier in ck.tiers:
+                ck.wait(step, tier=tier, timeout=60)
+    for step in (4, 5):  # the node tier is behind the shared one (lost its disk, or lagging)
+        run_with_tier(f"file://{nvme}", lambda t, s=step: t.delete(f"older/step-{s:012d}"))
+    s3_server.stop()
+    restored = {"t": torch.zeros(1024)}
+    fresh = {"shm_dir": shm_dir / "fresh", "run_dir": run_dir / "fresh"}
+    try:
+        # Restoring step 3 would continue from behind what S3 holds, and a later restore
+        # that can list S3 would jump back to step 5, dropping what was trained since.
+        refused = pytest.raises(TierUnavailableError, match=r"could not be listed .*reachable")
+        with Checkpointer(f"file://{nvme}", s3, job="older", **fresh) as ck, refused:
+            ck.restore(restored)
+        assert float(restored["t"][0]) == 0.0  # nothing was loaded
+        with Checkpointer(f"file://{nvme}", s3, job="older", **fresh) as ck:
+            assert ck.restore(restored, step=3) == 3  # a step named is restored as asked
+    finally:
+        s3_server.start()
+    with Checkpointer(f"file://{nvme}", s3, job="older", **fresh) as ck:
+        assert ck.restore(restored) == 5 and float(restored["t"][0]) == 5.0
+
+
+def test_a_commit_marker_gone_after_the_listing_makes_its_step_unavailable_not_the_tier(tmp_path):
+    url = f"pfs://{tmp_path / 'pfs'}"
+    with Checkpointer(url, job="gone", shm_dir=tmp_path / "shm", run_dir=tmp_path / "run") as ck:
+        for step in (1, 2):
+            ck.save(step, {"t": torch.full((64,), float(step))})
+            ck.wait(step, tier=url, timeout=60)
+    (marker,) = (tmp_path / "pfs" / "gone" / "step-000000000002").glob("commit-*.json")
+
+    class DeletedAfterListing:
+        """The tier, with step 2's marker removed between the listing and its read (as
+        retention on another node, or a store's lagging listing, does)."""
+
+        def __init__(self, tier):
+            self.tier = tier
+
+        async def list(self, prefix):
+            keys = await self.tier.list(prefix)
+            marker.unlink(missing_ok=True)
+            return keys
+
+        def __getattr__(self, name):
+            return getattr(self.tier, name)
+
+    listing = run_with_tier(url, lambda t: tier_io.list_steps(DeletedAfterListing(t), "gone"))
+    assert listing[0, 1].complete
+    assert not listing[0, 2].complete and "went away" in listing[0, 2].problems[0]
+
+
+def test_a_missing_directory_is_an_error_with_create_0_and_named_when_a_job_starts_over(
+    tmp_path, caplog
+):
+    mount = tmp_path / "mnt" / "pfs"  # the mount point's directory is missing: not mounted
+    dirs = {"shm_dir": tmp_path / "shm", "run_dir": tmp_path / "run"}
+    unmounted = f"pfs://{mount}?create=0"
+    refused = pytest.raises(TierUnavailableError, match=r"no directory .*create=0")
+    with Checkpointer(unmounted, job="long", **dirs) as ck, refused:
+        ck.restore({"t": torch.zeros(4)})
+    with pytest.raises(TierUnavailableError, match="create=0"):
+        run_with_tier(unmounted, lambda t: t.put("long/x", [memoryview(b"x")], 1))
+    assert not mount.exists()  # never made on the node's own disk
+    caplog.set_level(logging.WARNING, logger="flashckpt.restore.agreement")
+    with Checkpointer(f"pfs://{mount}", job="long", **dirs) as ck:  # create=1, the default
+        assert ck.restore({"t": torch.zeros(4)}) is None
+    (warning,) = [r.getMessage() for r in caplog.records if "starting over" in r.getMessage()]
+    assert f"pfs://{mount}" in warning and "create=0" in warning, warning

@@ -339,7 +339,7 @@ def only_job(jobs: list[str], where: str) -> str:
                      "with --job or FLASHCKPT_JOB")  # fmt: skip
 
 
-_STEP_ARG = re.compile(r"\d{1,19}")
+_STEP_ARG = re.compile(r"[0-9]{1,19}")
 
 
 def step_arg(text: str) -> int:

@@ -53,7 +53,7 @@ from .locations import TierLocation, job_at, newest_key
 
 NAME = "gc"
 HELP = "apply retention to a tier's job, or remove dead jobs' files from this node ('gc shm')"
-_RANK_FILE = re.compile(r"rank-(\d+)\.")
+_RANK_FILE = re.compile(r"rank-([0-9]+)\.")
 
 
 def _positive(text: str) -> int:

@@ -82,7 +82,11 @@ def commit_state(c: tier_io.CommittedStep | None) -> str:
     if c is None:
         return "uncommitted"
     what = f"ranks {sorted(c.ranks)} of {c.world_size}" + (
-        " committed" if c.complete else " partial"
+        " partial"
+        if not c.complete
+        else " committed (the node's)"
+        if c.node_local
+        else " committed"
     )
     if c.problems:
         what += f", corrupt: {len(c.problems)} commit marker(s) unreadable: " + "; ".join(

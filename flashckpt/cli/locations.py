@@ -132,8 +132,9 @@ class TierLocation:
         await asyncio.gather(*(size(i, r) for i in infos for r in i.present))
         return infos, []
 
-    async def read_rank(self, job: str, key: Key, rank: int) -> tuple[Manifest, torch.Tensor]:
-        return await tier_io.read_rank(self.tier, job, key[1], rank, key[0])
+    async def read_rank(self, job: str, key: Key, rank: int,
+                        incarnation: int | None = None) -> tuple[Manifest, torch.Tensor]:  # fmt: skip
+        return await tier_io.read_rank(self.tier, job, key[1], rank, key[0], incarnation)
 
 
 @dataclass
@@ -232,8 +233,13 @@ class ShmLocation:
                               f"{job} is running; try again, or stop it first")  # fmt: skip
         raise Problem(f"no slot of rank {rank} of job {job} in {self.shown} holds step {key[1]}")
 
-    async def read_rank(self, job: str, key: Key, rank: int) -> tuple[Manifest, torch.Tensor]:
+    async def read_rank(self, job: str, key: Key, rank: int,
+                        incarnation: int | None = None) -> tuple[Manifest, torch.Tensor]:  # fmt: skip
         def copy(snap: Snapshot) -> tuple[Manifest, torch.Tensor]:
+            if incarnation is not None and snap.manifest.incarnation != incarnation:
+                raise Problem(f"rank {rank}'s step {key[1]} in {self.shown} was saved by run "
+                              f"{snap.manifest.incarnation} of job {job}, not run {incarnation} "
+                              "like the other ranks' copies of it")  # fmt: skip
             return snap.manifest, snap.slot.data_tensor(snap.header).clone()
 
         return self.with_rank(job, key, rank, copy)
@@ -248,8 +254,12 @@ def _as_listing(held: list[Held]) -> tier_io.Listing:
         world = max(h.manifest.world_size or 1 for h in hs)
         lineage = max((h.manifest.lineage for h in hs), key=lambda lin: lin.generation,
                       default=Lineage())  # fmt: skip
-        ranks = frozenset(h.rank for h in hs if h.rank < world)
-        out[key] = tier_io.CommittedStep(key[1], ranks, world, (), lineage)
+        # As in a tier: only the newest run's copies of the step count.
+        incarnation = max(h.manifest.incarnation for h in hs)
+        ranks = frozenset(h.rank for h in hs
+                          if h.rank < world and h.manifest.incarnation == incarnation)  # fmt: skip
+        out[key] = tier_io.CommittedStep(key[1], ranks, world, (), lineage,
+                                         incarnation=incarnation)  # fmt: skip
     return out
 
 

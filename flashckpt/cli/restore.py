@@ -100,7 +100,11 @@ async def _sources(args: argparse.Namespace, stack: contextlib.AsyncExitStack,
     for loc, listing in found:
         key = newest_key(listing, step)
         c = listing.get(key) if key is not None else None
-        if c is not None and (c.complete or args.rank in c.ranks):
+        if c is not None and (
+            c.complete
+            if args.rank is None
+            else args.rank in c.ranks or (c.complete and not c.node_local)
+        ):
             sources.append((loc, key, c))
     if not sources:
         shown_all = ", ".join(loc.shown for loc, _ in found)
@@ -195,7 +199,7 @@ class _TierTarget:
 
     async def commit(self, job: str, step: int, ranks: list[int], c: tier_io.CommittedStep) -> None:
         await tier_io.commit_step(self.tier, job, step, config.node_name(), ranks, c.world_size,
-                                  c.lineage)  # fmt: skip
+                                  c.lineage, c.incarnation)  # fmt: skip
 
 
 async def _rank(rank: int, sources: list, job: str, target, progress: Progress,
@@ -203,10 +207,10 @@ async def _rank(rank: int, sources: list, job: str, target, progress: Progress,
     """Fetch, verify and write one rank from the first source whose copy is good."""
     failures = []
     async with limit:
-        for loc, key, _ in sources:
+        for loc, key, c in sources:
             where = f"{loc.shown} step {key[1]} rank {rank}"
             try:
-                manifest, data = await loc.read_rank(job, key, rank)
+                manifest, data = await loc.read_rank(job, key, rank, c.incarnation)
                 manifest, bad = await asyncio.to_thread(_verified, manifest, data, where)
             except (Problem, FlashCkptError, OSError) as exc:
                 failures.append(describe_error(exc))

@@ -87,8 +87,9 @@ class _Checker:
     """Verifies the ranks of one step at one location into ``report``."""
 
     def __init__(self, loc: TierLocation | ShmLocation, job: str, key: tuple[int, int],
-                 report: Report, progress: Progress):  # fmt: skip
+                 report: Report, progress: Progress, incarnation: int | None = None):  # fmt: skip
         self.loc, self.job, self.key, self.report, self.progress = loc, job, key, report, progress
+        self.incarnation = incarnation  # the run the step's commit markers name
         self.seen: set[tuple[int, str]] = set()  # (rank storing the bytes, entry path) checked
         self.manifests: dict[int, asyncio.Task] = {}
         self.reads = asyncio.Semaphore(READS_IN_FLIGHT)
@@ -143,7 +144,8 @@ class _Checker:
         """Rank ``rank``'s stored manifest, read once however many ranks refer to it."""
         if rank not in self.manifests:
             gen, step = self.key
-            read = tier_io.read_manifest(self.loc.tier, self.job, step, rank, gen)
+            read = tier_io.read_manifest(self.loc.tier, self.job, step, rank, gen,
+                                         self.incarnation)  # fmt: skip
             self.manifests[rank] = asyncio.ensure_future(read)
         return await asyncio.shield(self.manifests[rank])
 
@@ -280,7 +282,7 @@ async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progr
             report.problem("commit", f"rank {args.rank} is not committed in step {key[1]} at "
                            f"{loc.shown} (committed ranks: {ranks})", rank=args.rank)  # fmt: skip
         ranks = [r for r in ranks if r == args.rank]
-    checker = _Checker(loc, job, key, report, progress)
+    checker = _Checker(loc, job, key, report, progress, c.incarnation)
     await asyncio.gather(*(checker.rank(r) for r in ranks))
     bad = {p.get("rank") for p in report.problems}
     for r in sorted(report.ranks, key=lambda r: r["rank"]):

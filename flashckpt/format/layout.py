@@ -6,7 +6,9 @@
 
 Steps of generation G >= 1 (saved after a restore that went back, see ``lineage``) live in
 ``step-<N>.g<G>`` instead, apart from the abandoned steps of the same number. A step is
-committed in a tier when the ranks named by its commit markers cover the world.
+committed in a tier when the ranks named by its commit markers of one incarnation of the job
+cover the world (in a node-local tier: name the node's ranks); markers of an older
+incarnation than the newest a step has are not counted.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from ..errors import ManifestError
 from .lineage import Lineage
 from .manifest import load_json
 
-_STEP = re.compile(r"step-(\d+)(?:\.g([1-9]\d*))?")
+# ASCII digits only: ``\d`` also takes other scripts' digits, which int() reads (a stray
+# ``step-١`` would commit step 1 under a name no key of step 1 has, never to be deleted).
+_STEP = re.compile(r"step-([0-9]+)(?:\.g([1-9][0-9]*))?")
 _COMMIT = re.compile(r"commit-([A-Za-z0-9._-]+)\.json")
-_RANK = re.compile(r"rank-(\d+)")
+_RANK = re.compile(r"rank-([0-9]+)")
 _NODE = re.compile(r"[A-Za-z0-9._-]+")
 MAX_WORLD_SIZE = 1 << 24
 """A marker naming a larger world is corrupt (no job has this many ranks)."""
@@ -50,11 +54,14 @@ class CommitMarker:
     ranks: tuple[int, ...]
     world_size: int
     lineage: Lineage = Lineage()  # the branch of the job's history the step belongs to
+    incarnation: int = 0  # the run of the job that wrote it (0: written before they were kept)
 
     def to_json(self) -> bytes:
-        doc = {"node": self.node, "ranks": list(self.ranks), "world_size": self.world_size}
+        doc: dict = {"node": self.node, "ranks": list(self.ranks), "world_size": self.world_size}
         if self.lineage.branches:
             doc["lineage"] = self.lineage.to_doc()
+        if self.incarnation:
+            doc["incarnation"] = self.incarnation
         return json.dumps(doc).encode()
 
     @classmethod
@@ -63,7 +70,8 @@ class CommitMarker:
         doc = load_json(raw, source, "commit marker")
         ok = (
             isinstance(doc, dict)
-            and doc.keys() - {"lineage"} == {"node", "ranks", "world_size"}
+            and doc.keys() - {"lineage", "incarnation"} == {"node", "ranks", "world_size"}
+            and type(doc.get("incarnation", 0)) is int and doc.get("incarnation", 0) >= 0
             and isinstance(doc["node"], str) and _NODE.fullmatch(doc["node"]) is not None
             and type(doc["world_size"]) is int and 1 <= doc["world_size"] <= MAX_WORLD_SIZE
             and isinstance(doc["ranks"], list)
@@ -79,7 +87,8 @@ class CommitMarker:
                 "older step"
             )
         lineage = Lineage.from_doc(doc.get("lineage"), source)
-        return cls(doc["node"], tuple(doc["ranks"]), doc["world_size"], lineage)
+        return cls(doc["node"], tuple(doc["ranks"]), doc["world_size"], lineage,
+                   doc.get("incarnation", 0))  # fmt: skip
 
 
 def parse_keys(job: str, keys: list[str]) -> dict[tuple[int, int], list[str]]:

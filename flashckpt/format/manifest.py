@@ -19,9 +19,9 @@ import torch
 from ..errors import ManifestError
 from .lineage import Lineage
 
-FORMAT_VERSION = 2
-"""Version 2 added replicated entries (``replicated``, ``stored_at``, ``replicas``); a
-version-1 manifest is read as one without them."""
+FORMAT_VERSION = 3
+"""Version 2 added replicated entries (``replicated``, ``stored_at``, ``replicas``), version 3
+the job's ``incarnation``; older manifests are read as ones without them (incarnation 0)."""
 DEFAULT_CHUNK_SIZE = 4 * 2**20
 
 # Every dtype torch can hand us, by its short name ("float32", "float8_e4m3fn", ...).
@@ -111,6 +111,9 @@ class Manifest:
     lineage: Lineage = Lineage()  # the branch of the job's history this step belongs to
     # range(start, stop, step) of the ranks whose ``replicated`` entries are identical
     replicas: tuple[int, int, int] | None = None
+    # Which run of the job wrote it: every agreeing restore starts a newer one (see
+    # ``tier_io.CommittedStep``), so writers of an earlier run are told apart.
+    incarnation: int = 0
 
     @property
     def generation(self) -> int:
@@ -189,6 +192,7 @@ _KINDS = ("tensor", "ndarray", "pickle")
 _REQUIRED = {"format_version", "job", "rank", "step", "tree", "entries", "data_len"}
 _OPTIONAL = {
     "chunk_size", "checksum_algorithm", "created_at", "world_size", "meta", "lineage", "replicas",
+    "incarnation",
 }  # fmt: skip
 _ENTRY_REQUIRED = {"path", "kind", "dtype", "shape", "offset", "nbytes", "first_chunk"}
 _ENTRY_OPTIONAL = {"checksums", "shard", "device", "replicated", "stored_at"}
@@ -297,6 +301,7 @@ class _Checker:
             checksum_algorithm=algorithm, created_at=created_at, world_size=world_size, meta=meta,
             lineage=Lineage.from_doc(doc.get("lineage"), self.source),
             replicas=self.replicas(doc.get("replicas")),
+            incarnation=self.int_(doc.get("incarnation", 0), "incarnation"),
         )  # fmt: skip
 
     def replicas(self, doc: Any) -> tuple[int, int, int] | None:

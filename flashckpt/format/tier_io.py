@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import config
-from ..errors import ConfigError, ManifestError
-from ..storage_tiers.base import TEMP_GRACE_S, Leftover
+from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
+from ..storage_tiers.base import TEMP_GRACE_S, Leftover, Scope
 from . import layout
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
@@ -24,6 +24,10 @@ from .slot import align
 log = logging.getLogger(__name__)
 
 WRITE_CHUNK = 8 * 2**20
+MAX_MANIFEST_BYTES = 256 * 2**20
+"""A stored manifest larger than this is corrupt: one of 100,000 tensors is a few tens of MiB."""
+MAX_MARKER_BYTES = 16 * 2**20
+"""A commit marker larger than this is corrupt: one naming two million ranks is 16 MiB."""
 
 
 def _chunks(data: memoryview, size: int = WRITE_CHUNK) -> Iterator[memoryview]:
@@ -68,10 +72,12 @@ async def write_rank(tier, manifest: Manifest, data: memoryview, primary: int | 
 
 async def commit_step(
     tier, job: str, step: int, node: str, ranks: list[int], world_size: int,
-    lineage: Lineage | None = None,
+    lineage: Lineage | None = None, incarnation: int = 0,
 ) -> None:  # fmt: skip
     lineage = lineage or Lineage()
-    marker = layout.CommitMarker(node, tuple(sorted(ranks)), world_size, lineage).to_json()
+    marker = layout.CommitMarker(
+        node, tuple(sorted(ranks)), world_size, lineage, incarnation
+    ).to_json()
     key = layout.commit_key(job, step, node, lineage.generation)
     await tier.put(key, [memoryview(marker)], len(marker))
 
@@ -79,13 +85,21 @@ async def commit_step(
 @dataclass(frozen=True)
 class CommittedStep:
     """What a step's commit markers say; ``problems`` names the markers that do not parse or
-    belong to another generation (their ranks count as not committed)."""
+    belong to another generation (their ranks count as not committed). ``node_local``: the
+    markers are of a node-local tier, which holds only its node's ranks of the job.
+
+    ``incarnation``: the newest run of the job that committed ranks of the step. Only its
+    markers count: a writer of an earlier run (a partitioned node's agent still uploading, a
+    second job under the same name) never completes a step together with a newer run, and
+    every shard read for the step must carry this incarnation too."""
 
     step: int
     ranks: frozenset[int]
     world_size: int
     problems: tuple[str, ...] = ()
     lineage: Lineage = Lineage()
+    node_local: bool = False
+    incarnation: int = 0
 
     @property
     def generation(self) -> int:
@@ -93,20 +107,54 @@ class CommittedStep:
 
     @property
     def complete(self) -> bool:
+        """Committed for every rank the tier is to hold: the whole world in a shared tier; in
+        a node-local tier, the ranks its node ran, which its marker names (the agent writes
+        it once every one of them is stored, so a readable marker is the node's commit)."""
+        if self.node_local:
+            return bool(self.ranks) and not self.problems
         # Markers are checked to name only ranks below their world_size, so covering the
         # world is a count (a range of a corrupt world size is never built).
         return self.world_size > 0 and len(self.ranks) >= self.world_size
 
 
 async def _marker(tier, key: str) -> layout.CommitMarker | str:
-    """The marker at ``key``, or why it cannot be had (a corrupt one does not hide the rest)."""
+    """The marker at ``key``, or why it cannot be had: a corrupt one, or one gone since the
+    listing (retention on another node, a store's lagging listing), makes its step lack that
+    node's ranks, never hides the tier's other steps."""
     source = f"{tier.spec.url}/{key}"
     try:
-        return layout.CommitMarker.from_json(_filled(await tier.get(key), source, "commit marker"),
-                                             source)  # fmt: skip
+        raw = await _read_bounded(tier, key, source, "commit marker", MAX_MARKER_BYTES)
+        return layout.CommitMarker.from_json(raw, source)
     except ManifestError as exc:
         log.warning("%s", exc)
         return str(exc)
+    except CheckpointNotFoundError as exc:
+        log.info("%s: the commit marker went away after the listing (%s)", source, exc)
+        return f"{source}: the commit marker went away after the listing"
+
+
+async def _read_bounded(tier, key: str, source: str, what: str, cap: int) -> bytes:
+    """The object at ``key``, read whole only if it holds at most ``cap`` bytes: a larger one
+    is a ManifestError (a corrupt or hostile copy), never a read that exhausts memory."""
+    raw = await tier.get(key, 0, cap + 1)
+    if len(raw) > cap:
+        raise ManifestError(
+            f"{source}: the {what} is larger than {cap} bytes, more than any flashckpt "
+            "writes; the copy is corrupt, restore from another tier or an older step"
+        )
+    return _filled(raw, source, what)
+
+
+def allocate(nbytes: int, where: str) -> torch.Tensor:
+    """``nbytes`` of memory for bytes a tier's metadata sized (checked against the bytes that
+    exist first): if it cannot be had, the copy is treated as corrupt, not the process."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (MemoryError, RuntimeError) as exc:
+        raise ManifestError(
+            f"{where}: {nbytes} bytes sized by its metadata cannot be allocated ({exc}); "
+            "restore from another tier or an older step"
+        ) from None
 
 
 def _filled(raw: bytes, source: str, what: str) -> bytes:
@@ -142,6 +190,7 @@ async def list_jobs(tier) -> dict[str, int]:
 async def list_steps(tier, job: str) -> Listing:
     """Every step the tier has anything of, by (generation, step)."""
     keys = await tier.list(f"{job}/")
+    node_local = tier.spec.scope is Scope.NODE
     out: Listing = {}
     for (gen, step), markers in layout.parse_keys(job, keys).items():
         if not markers:
@@ -154,15 +203,23 @@ async def list_steps(tier, job: str) -> Listing:
             problems.append(f"the commit marker of node {m.node} in step {step} generation "
                             f"{gen} names generation {m.lineage.generation}")  # fmt: skip
             parsed.remove(m)
+        incarnation = max((m.incarnation for m in parsed), default=0)
+        superseded = [m.node for m in parsed if m.incarnation != incarnation]
+        if superseded:
+            log.info("%s: step %d of job %s: the commit markers of nodes %s are of an earlier "
+                     "run of the job (incarnation < %d) and do not count", tier.spec.url, step,
+                     job, superseded, incarnation)  # fmt: skip
+            parsed = [m for m in parsed if m.incarnation == incarnation]
         ranks = frozenset(r for m in parsed for r in m.ranks)
         world = max((m.world_size for m in parsed), default=0)
         lineage = parsed[0].lineage if parsed else Lineage()
-        out[gen, step] = CommittedStep(step, ranks, world, tuple(problems), lineage)
+        out[gen, step] = CommittedStep(step, ranks, world, tuple(problems), lineage, node_local,
+                                       incarnation)  # fmt: skip
     return out
 
 
 def complete(listing: Listing) -> dict[tuple[int, int], CommittedStep]:
-    """The steps committed for the whole world."""
+    """The steps committed for every rank the tier is to hold (``CommittedStep.complete``)."""
     return {k: c for k, c in listing.items() if c is not None and c.complete}
 
 
@@ -183,12 +240,14 @@ async def committed_steps(tier, job: str, lineage: Lineage | None = None) -> lis
     return sorted(in_lineage(listing, head(listing) if lineage is None else lineage))
 
 
-async def read_manifest(tier, job: str, step: int, rank: int, generation: int = 0) -> Manifest:
-    """One rank's stored manifest, parsed, checked and with checksums; a ManifestError naming
-    the object otherwise."""
+async def read_manifest(tier, job: str, step: int, rank: int, generation: int = 0,
+                        incarnation: int | None = None) -> Manifest:  # fmt: skip
+    """One rank's stored manifest, parsed, checked and with checksums (and written by run
+    ``incarnation`` of the job, the one the step's commit markers name, where given); a
+    ManifestError naming the object otherwise."""
     mkey = layout.manifest_key(job, step, rank, generation)
     where = f"{tier.spec.url}/{mkey}"
-    raw = _filled(await tier.get(mkey), where, "manifest")
+    raw = await _read_bounded(tier, mkey, where, "manifest", MAX_MANIFEST_BYTES)
     manifest = Manifest.from_json(raw, source=where, require_checksums=True)
     found = (manifest.job, manifest.step, manifest.rank, manifest.generation)
     if found != (job, step, rank, generation):
@@ -197,24 +256,34 @@ async def read_manifest(tier, job: str, step: int, rank: int, generation: int = 
             f"generation {manifest.generation}, not job {job} step {step} rank {rank} "
             f"generation {generation}"
         )
+    if incarnation is not None and manifest.incarnation != incarnation:
+        raise ManifestError(
+            f"{where} was written by run {manifest.incarnation} of the job, but the step is "
+            f"committed by run {incarnation}: a writer of another run (an agent of an earlier "
+            "run still uploading, or a second job under the same name) replaced it; restore "
+            "from another tier or an older step"
+        )
     return manifest
 
 
 async def read_rank(
-    tier, job: str, step: int, rank: int, generation: int = 0
+    tier, job: str, step: int, rank: int, generation: int = 0, incarnation: int | None = None
 ) -> tuple[Manifest, torch.Tensor]:
     """The manifest and data bytes of one rank's shard, checked to belong together (checksums
     are verified at restore), with the entries another rank stores for it read from there. A
     manifest that does not parse or lacks checksums, or data of another size than the
-    manifest says, is a ManifestError naming the object."""
-    manifest = await read_manifest(tier, job, step, rank, generation)
+    manifest says, is a ManifestError naming the object. ``incarnation``: the run the step's
+    commit markers name (see ``read_manifest``)."""
+    manifest = await read_manifest(tier, job, step, rank, generation, incarnation)
     data = await _read_data(tier, manifest)
     if any(e.stored_at is not None for e in manifest.entries):
         return await _with_replicas(tier, manifest, data)
     return manifest, data
 
 
-async def _read_data(tier, manifest: Manifest) -> torch.Tensor:
+async def check_data_size(tier, manifest: Manifest) -> str:
+    """Check that a rank's stored data holds exactly the manifest's ``data_len`` bytes (before
+    anything is sized from it); its key."""
     dkey = layout.data_key(manifest.job, manifest.step, manifest.rank, manifest.generation)
     size = manifest.data_len
     # One small ranged read settles the size: the byte before data_len must exist, the one
@@ -222,7 +291,13 @@ async def _read_data(tier, manifest: Manifest) -> torch.Tensor:
     tail = await tier.get(dkey, max(size - 1, 0), size + 1)
     if len(tail) != min(size, 1):
         raise _size_mismatch(tier, dkey, size, "more" if len(tail) > min(size, 1) else "fewer")
-    data = torch.empty(size, dtype=torch.uint8)
+    return dkey
+
+
+async def _read_data(tier, manifest: Manifest) -> torch.Tensor:
+    dkey = await check_data_size(tier, manifest)
+    size = manifest.data_len
+    data = allocate(size, f"{tier.spec.url}/{dkey}")
     if size:
         try:
             await tier.get_into(dkey, memoryview(data.numpy()), 0)
@@ -240,24 +315,33 @@ async def _with_replicas(
     job, step, gen = manifest.job, manifest.step, manifest.generation
     others: dict[int, dict[str, Entry]] = {}
     for r in sorted({e.stored_at for e in manifest.entries if e.stored_at is not None}):
-        other = await read_manifest(tier, job, step, r, gen)
+        other = await read_manifest(tier, job, step, r, gen, manifest.incarnation)
+        await check_data_size(tier, other)  # its entries lie in bytes that exist
         others[r] = {e.path: e for e in other.entries if e.stored_at is None}
+    # Every entry stored elsewhere is matched to the copy that holds it before anything is
+    # sized from the manifest: the sizes allocated are those of bytes that exist.
+    for e in manifest.entries:
+        if e.stored_at is None:
+            continue
+        src = others[e.stored_at].get(e.path)
+        if src is None or (src.kind, src.dtype, src.shape) != (e.kind, e.dtype, e.shape):
+            found = "no such entry" if src is None else f"{src.dtype} {list(src.shape)}"
+            raise ManifestError(
+                f"{tier.spec.url}: step {step} rank {manifest.rank} stores {e.path!r} at rank "
+                f"{e.stored_at}, whose copy has {found}; restore from another tier or an older "
+                "step"
+            )
     extra = sum(align(e.nbytes) for e in manifest.entries if e.stored_at is not None)
-    out = torch.empty(manifest.data_len + extra, dtype=torch.uint8)
+    out = allocate(manifest.data_len + extra, f"{tier.spec.url}: step {step} rank {manifest.rank}")
     out[: manifest.data_len] = data
     entries, at, differ = [], manifest.data_len, []
     for e in manifest.entries:
         if e.stored_at is None:
             entries.append(e)
             continue
-        src = others[e.stored_at].get(e.path)
+        src = others[e.stored_at][e.path]
         where = (f"{tier.spec.url}: step {step} rank {manifest.rank} stores {e.path!r} at rank "
                  f"{e.stored_at}")  # fmt: skip
-        if src is None or (src.kind, src.dtype, src.shape) != (e.kind, e.dtype, e.shape):
-            found = "no such entry" if src is None else f"{src.dtype} {list(src.shape)}"
-            raise ManifestError(
-                f"{where}, whose copy has {found}; restore from another tier or an older step"
-            )
         dkey = layout.data_key(job, step, e.stored_at, gen)
         await get_range(tier, dkey, memoryview(out[at : at + e.nbytes].numpy()), src.offset, where)
         differ += [e.path] if e.checksums != src.checksums else []

@@ -27,6 +27,7 @@ class Restored:
     lineage: Lineage  # the branch the next saves go to
     source: str | None  # the name of the source it came from
     newest_held: int  # the newest step any rank holds (-1: none)
+    incarnation: int = 0  # the run of the job this restore starts (recorded in what it saves)
 
 
 def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, allow: bool,
@@ -47,25 +48,45 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
     heads: list[int] = group.gather(max(mine, default=-1))  # type: ignore[assignment]
     newest_held = max(heads)
     newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
+    # Every agreeing restore starts a new run of the job, newer than any a source shows: what
+    # it saves never completes a step together with writers of an earlier run.
+    seen = max((getattr(src, "incarnation", 0) for src in sources), default=0)
+    incarnation = max(group.gather(seen)) + 1  # type: ignore[type-var]
     unlisted = [(src.name, src.unlisted) for src in sources if getattr(src, "unlisted", "")]
     blind = [names for names in group.gather(unlisted) if names]
-    restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
-    if restored is None and step is None and blind:
-        # Starting over would abandon whatever the tier holds, and retention would then
-        # delete it: every rank stops here together instead.
+    if step is None and blind:
+        # The tier may hold newer steps, or a newer branch: restoring an older step from
+        # another source (or starting over) would continue an older branch, and retention
+        # would then delete what the tier holds. Every rank stops here together, before
+        # anything is loaded.
         name, why = blind[0][0]
         raise TierUnavailableError(
-            f"job {job}: no step to restore, and tier {name} could not be listed ({why}), so "
-            "the job's steps there were not seen; make it reachable and restart, or leave it "
-            "out of the tiers to start over without it"
+            f"job {job}: tier {name} could not be listed ({why}), so the job's steps there "
+            "were not seen; make it reachable and restart, leave it out of the tiers to "
+            "restore without it, or name the step to restore (restore(step=N))"
         )
+    restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
+    if restored is None and step is None and newest_held < 0:
+        _warn_starting_over(job, [src.name for src in sources if getattr(src, "empty", False)])
     if step is None and restored is not None and restored < newest_held:
         _warn_going_back(job, restored, newest_held, heads)
     if restored != newest_held and newest_held >= 0:
         # Going back (asked for, or past corrupt copies) starts a new branch: the steps saved
         # from here on are stored apart from the abandoned ones, and preferred.
         lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
-    return Restored(restored, lineage, source, newest_held)
+    return Restored(restored, lineage, source, newest_held, incarnation)
+
+
+def _warn_starting_over(job: str, empty: list[str]) -> None:
+    """A job that finds no step starts at step 0: say which tiers held nothing of it, as an
+    unmounted file system, a wrong path or a misspelt job name looks just like a new job."""
+    if empty:
+        log.warning(
+            "job %s: no step to restore, starting over; nothing of the job is in %s. If this "
+            "job ran before, stop it: a tier may be unmounted or misnamed, or the job name "
+            "changed (directory tiers take create=0 to make a missing directory an error)",
+            job, ", ".join(empty),
+        )  # fmt: skip
 
 
 def _warn_going_back(job: str, restored: int, newest_held: int, heads: list[int]) -> None:

@@ -72,7 +72,8 @@ async def load_from(
     c = await committed(tier, job, step)
     if rank is not None and not 0 <= rank < c.world_size:
         raise ConfigError(f"rank {rank} is not one of the {c.world_size} ranks of step {c.step}")
-    manifest, data = await tier_io.read_rank(tier, job, c.step, rank or 0, c.generation)
+    manifest, data = await tier_io.read_rank(tier, job, c.step, rank or 0, c.generation,
+                                             c.incarnation)  # fmt: skip
     resharder = Resharder() if rank is None else None
     planner = Planner(manifest, allow_pickle, resharder, assemble=True)
     producer = planner.fresh(manifest.tree, "")
@@ -81,7 +82,7 @@ async def load_from(
     if planner.mismatches:  # shard metadata that cannot make a full tensor
         raise ManifestError(f"{where}: {planner.mismatches[0].detail}")
     if resharder is not None and resharder.wants:
-        await resharder.fetch(tier, job, c.step, c.generation, c.world_size)
+        await resharder.fetch(tier, job, c.step, c.generation, c.world_size, c.incarnation)
     source = Source(data, where)
     value = producer(source)
     source.flush()

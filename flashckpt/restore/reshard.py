@@ -71,9 +71,11 @@ class Resharder:
     def block(self, path: str) -> torch.Tensor:
         return self.blocks[path]
 
-    async def fetch(self, tier, job: str, step: int, generation: int, world: int) -> None:
-        """Read every wanted block from the ``world`` old ranks' shards of ``step`` in a tier."""
-        await self.fetch_from(TierShards(tier, job, step, generation), world)
+    async def fetch(self, tier, job: str, step: int, generation: int, world: int,
+                    incarnation: int | None = None) -> None:  # fmt: skip
+        """Read every wanted block from the ``world`` old ranks' shards of ``step`` in a tier
+        (written by run ``incarnation`` of the job, where given)."""
+        await self.fetch_from(TierShards(tier, job, step, generation, incarnation), world)
 
     async def fetch_from(self, shards: Shards, world: int) -> None:
         manifests = await asyncio.gather(*(shards.manifest(r) for r in range(world)))
@@ -82,37 +84,38 @@ class Resharder:
             self.blocks[want.path] = await self._assemble(shards, want, manifests, by_path)
 
     async def _assemble(self, shards: Shards, want: Want, manifests, by_path) -> torch.Tensor:
-        out = torch.empty(want.shape, dtype=dtype_from_name(want.dtype))
-        filled, seen = 0, set()
+        covered = _covered(want, by_path)
+        if covered != math.prod(want.shape):
+            raise ManifestError(
+                f"{shards.name}: the shards of {want.path!r} saved at step {manifests[0].step} cover "
+                f"{covered} of the {math.prod(want.shape)} elements of the block at "
+                f"{list(want.offset)} this rank needs; restore at the world size that saved it"
+            )
+        # Sized only once the shards, whose bytes exist, are known to cover it.
+        dtype = dtype_from_name(want.dtype)
+        try:
+            out = torch.empty(want.shape, dtype=dtype)
+        except (MemoryError, RuntimeError) as exc:
+            raise ManifestError(f"{shards.name}: the block of {want.path!r} cannot be allocated "
+                                f"({exc}); restore from another tier or an older step") from None  # fmt: skip
+        seen = set()
         for m, entries in zip(manifests, by_path, strict=True):
             e = entries.get(want.path)
-            if e is None or e.shard is None or tuple(e.shard.global_shape) != want.global_shape:
+            if not _usable(e, want):
                 continue
             box = (tuple(e.shard.global_offset), tuple(e.shape))
-            if box in seen or e.dtype != want.dtype:  # a replica of a shard already used
+            if box in seen:  # a replica of a shard already used
                 continue
             seen.add(box)
-            lo = [max(a, b) for a, b in zip(e.shard.global_offset, want.offset, strict=True)]
-            hi = [
-                min(a + n, b + k)
-                for a, n, b, k in zip(e.shard.global_offset, e.shape, want.offset, want.shape,
-                                      strict=True)
-            ]  # fmt: skip
-            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            if (overlap := _overlap(e, want)) is None:
                 continue
+            lo, hi = overlap
             rows = await _rows(shards, m, e, lo, hi)
             old = e.shard.global_offset
             src = rows[(slice(None), *(slice(a - o, b - o) for a, b, o in
                                       zip(lo[1:], hi[1:], old[1:], strict=True)))]  # fmt: skip
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, want.offset, strict=True))
             out[dst] = src
-            filled += math.prod(b - a for a, b in zip(lo, hi, strict=True))
-        if filled != math.prod(want.shape):
-            raise ManifestError(
-                f"{shards.name}: the shards of {want.path!r} saved at step {manifests[0].step} cover "
-                f"{filled} of the {math.prod(want.shape)} elements of the block at "
-                f"{list(want.offset)} this rank needs; restore at the world size that saved it"
-            )
         return out
 
 
@@ -128,15 +131,54 @@ class Shards(Protocol):
         ...
 
 
+def _overlap(e: Entry, want: Want) -> tuple[list[int], list[int]] | None:
+    """The box (low and high corners, global coordinates) where shard ``e`` overlaps ``want``'s
+    block, or None."""
+    assert e.shard is not None
+    lo = [max(a, b) for a, b in zip(e.shard.global_offset, want.offset, strict=True)]
+    hi = [
+        min(a + n, b + k)
+        for a, n, b, k in zip(e.shard.global_offset, e.shape, want.offset, want.shape, strict=True)
+    ]
+    return None if any(h <= low for low, h in zip(lo, hi, strict=True)) else (lo, hi)
+
+
+def _usable(e: Entry | None, want: Want) -> bool:
+    return (
+        e is not None and e.shard is not None and tuple(e.shard.global_shape) == want.global_shape
+        and e.dtype == want.dtype
+    )  # fmt: skip
+
+
+def _covered(want: Want, by_path) -> int:
+    """How many elements of ``want``'s block the distinct shards of ``by_path`` cover."""
+    covered, seen = 0, set()
+    for entries in by_path:
+        e = entries.get(want.path)
+        if not _usable(e, want):
+            continue
+        box = (tuple(e.shard.global_offset), tuple(e.shape))
+        if box in seen:
+            continue
+        seen.add(box)
+        if (overlap := _overlap(e, want)) is not None:
+            covered += math.prod(b - a for a, b in zip(*overlap, strict=True))
+    return covered
+
+
 class TierShards:
     """The old ranks' shards of one step in a tier: manifests and ranged reads."""
 
-    def __init__(self, tier, job: str, step: int, generation: int):
+    def __init__(self, tier, job: str, step: int, generation: int, incarnation: int | None = None):
         self.tier, self.job, self.step, self.generation = tier, job, step, generation
+        self.incarnation = incarnation
         self.name = tier.spec.url
 
     async def manifest(self, rank: int) -> Manifest:
-        return await tier_io.read_manifest(self.tier, self.job, self.step, rank, self.generation)
+        m = await tier_io.read_manifest(self.tier, self.job, self.step, rank, self.generation,
+                                        self.incarnation)  # fmt: skip
+        await tier_io.check_data_size(self.tier, m)  # its shards lie in bytes that exist
+        return m
 
     async def read(self, m: Manifest, e: Entry, start: int, n: int) -> bytearray:
         key = layout.data_key(m.job, m.step, m.rank, m.generation)

@@ -72,6 +72,7 @@ class MemorySource:
         """``pinned``: whether this process has page-locked a slot (device uploads then read
         it directly)."""
         self.pair, self.verify, self.pinned = pair, verify, pinned
+        self.incarnation = 0  # the newest run of the job the last look saw
 
     def snapshots(self) -> dict[Key, Lineage]:
         """This rank's READY snapshots, with the branch each belongs to. One of DTensor shards
@@ -85,6 +86,7 @@ class MemorySource:
                     if snap is None:
                         continue
                     m, key = snap.manifest, (snap.generation, snap.step)
+                    self.incarnation = max(self.incarnation, m.incarnation)
                     if _resharded(m, world) and not self._holds_every_rank(key, m.world_size):
                         log.info("step %d in shared memory was saved by %d ranks, not %d, and "
                                  "this node lacks some of their shards: they are resharded "
@@ -197,7 +199,10 @@ class TierSource:
         self.world = group.world_size()
         self.together = together and parse_spec(url).scope.value == "shared"
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
+        self._incarnations: dict[Key, int] = {}  # step -> the run its commit markers name
+        self.incarnation = 0  # the newest run of the job the last listing showed
         self.unlisted = ""  # why the last listing failed: the tier may hold steps not seen
+        self.empty = False  # the last listing found nothing of the job there
 
     def _listing(self) -> tier_io.Listing | None:
         try:
@@ -219,6 +224,11 @@ class TierSource:
             self.unlisted = self.unlisted or "the first rank could not list it"
         else:
             self.unlisted = ""
+        self.empty = listing == {}
+        for k, c in (listing or {}).items():
+            if c is not None:
+                self._incarnations[k] = c.incarnation
+                self.incarnation = max(self.incarnation, c.incarnation)
         out: dict[Key, Lineage] = {}
         stand_ins = []
         for k, c in (listing or {}).items():
@@ -229,7 +239,11 @@ class TierSource:
             elif self.rank in c.ranks:
                 self._saved_by[k] = (self.rank, c.world_size)
                 out[k] = c.lineage
-            elif c.complete and self.rank >= c.world_size:
+            elif (
+                c.complete
+                and self.rank >= c.world_size
+                and (not c.node_local or self.rank % c.world_size in c.ranks)
+            ):
                 stand_ins.append((k, c))
         if stand_ins:
             try:
@@ -251,7 +265,8 @@ class TierSource:
     async def _stand_in(self, tier, key: Key, world: int) -> bool:
         gen, step = key
         try:
-            m = await tier_io.read_manifest(tier, self.job, step, self.rank % world, gen)
+            m = await tier_io.read_manifest(tier, self.job, step, self.rank % world, gen,
+                                            self._incarnations.get(key))  # fmt: skip
         except (*CORRUPT_COPY, OSError) as exc:
             log.warning("%s: step %d cannot stand in for rank %d: %s", self.name, step,
                         self.rank, exc)  # fmt: skip
@@ -263,13 +278,15 @@ class TierSource:
         rank, world = self._saved_by.get(key, (self.rank, self.world))
         where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
         resharder = Resharder() if world != self.world else None
+        run_ = self._incarnations.get(key)
         try:
             manifest, data = run_with_tier(
-                self.url, lambda t: tier_io.read_rank(t, self.job, step, rank, gen)
+                self.url, lambda t: tier_io.read_rank(t, self.job, step, rank, gen, run_)
             )
             producer = plan(manifest, state, allow_pickle, resharder, **opts)
             if resharder is not None and resharder.wants:
-                run_with_tier(self.url, lambda t: resharder.fetch(t, self.job, step, gen, world))
+                run_with_tier(self.url,
+                              lambda t: resharder.fetch(t, self.job, step, gen, world, run_))  # fmt: skip
             run(producer, Source(data, where, self.verify))
         except (*CORRUPT_COPY, OSError) as exc:  # a bad copy (or the tier's I/O failed)
             log.warning("%s cannot be restored: %s", where, exc)

@@ -35,7 +35,7 @@ slots, so with that many spares no reader can make a save skip its snapshot)."""
 N_STEADY = 2
 _CLAIM_ATTEMPTS = 20
 _CLAIM_GRACE_S = 1.0  # an agent freeing a closed rank's slots holds its owner lock briefly
-_SLOT_RE = re.compile(r"rank-(\d+)\.slot-(\d+)")
+_SLOT_RE = re.compile(r"rank-([0-9]+)\.slot-([0-9]+)")
 
 
 def job_dir(shm_dir: Path, job: str) -> Path:
