@@ -439,8 +439,36 @@ async def serve_standalone(bind: str | None, events: str | None, run_dir: str | 
     log.info("controller serving on %s:%d (%s, policy %s, node timeout %.1fs); events in %s",
              host, port, "TLS" if tls else "no TLS", controller.policy, controller.node_timeout,
              path)  # fmt: skip
+    gate = (
+        _recovery_gate(controller, host, port, token) if controller.policy == "in-process" else None
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await run(controller, server, stop)
+    try:
+        await run(controller, server, stop)
+    finally:
+        if gate is not None:
+            gate.close()
+
+
+def _recovery_gate(controller: Controller, host: str, port: int, token: str):
+    """Under in-process recovery, the job's recovery store, next to the controller (no node
+    serves it then): at FLASHCKPT_RECOVERY_STORE, else the controller's port + 1, where every
+    node's launcher looks for it."""
+    from flashckpt.faults.inprocess import STORE_ENV
+    from flashckpt.faults.store_gate import StoreGate
+
+    address = os.environ.get(STORE_ENV) or (
+        f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
+    )
+    gate_host, gate_port = control.split_address(address, STORE_ENV)
+    try:
+        gate = StoreGate(gate_host, gate_port, token.encode())
+    except OSError as exc:
+        raise ConfigError(f"the recovery store cannot serve on {address}: {exc}") from None
+    log.info("recovery store serving on %s", gate.address)
+    if controller.events is not None:
+        controller.events.record("recovery_store_started", address=gate.address)
+    return gate

@@ -115,8 +115,6 @@ def run_policy(policy: str, tmp: Path, hang_floor: float, timeout: float, **env:
 
     floors = ({"FLASHCKPT_HANG_FLOOR": str(2 * hang_floor)},
               {"FLASHCKPT_HANG_FLOOR": str(hang_floor)})  # fmt: skip
-    if policy == "in-process":
-        env["FLASHCKPT_RECOVERY_STORE"] = f"127.0.0.1:{free_port()}"
     codes, _, logs = two_nodes("flashckpt-run", tmp, timeout, floors,
                                FLASHCKPT_RESTART_POLICY=policy, **env)  # fmt: skip
     if codes != [0, 0]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from conftest import ROOT, wait_for
-from test_launcher import NODES, PER_NODE, Cluster, explain, free_port, reference, run_job
+from test_launcher import NODES, PER_NODE, TOKEN, Cluster, explain, reference, run_job
 
 pytestmark = pytest.mark.serial  # which rank is the culprit is judged by the clock
 
@@ -26,7 +28,7 @@ __all__ = ["reference"]  # the undisturbed run's digest, shared with test_launch
 
 def env(**more: str) -> dict[str, str]:
     return {"FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_RECOVERY_DEADLINE": "15",
-            "FLASHCKPT_RECOVERY_STORE": f"127.0.0.1:{free_port()}", **more}  # fmt: skip
+            **more}  # fmt: skip
 
 
 def lines(run, word: str) -> list[dict]:
@@ -71,6 +73,41 @@ def test_a_killed_rank_is_replaced_and_every_other_keeps_its_process(tmp_path, r
     assert {r["step"] for r in lines(run, "restored") if r["step"] != "None"} == {"12"}
     started = events(run, "replacement_started")
     assert [(e["rank"], e["round"], e["lost_status"]) for e in started] == [(1, 1, -9)]
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+
+
+@pytest.mark.slow
+def test_with_a_standalone_controller_its_recovery_store_serves_every_node(tmp_path, reference):
+    """``flashckpt-agent controller --policy in-process`` (large jobs): no launcher serves the
+    controller, so none serves the recovery store; the controller does, at its port + 1."""
+    cluster = Cluster(tmp_path, "ip-alone", trainer=TRAINER, **env(FT_FAULTS="kill:1:12"))
+    log = open(tmp_path / "controller.log", "w")  # noqa: SIM115
+    controller = subprocess.Popen(
+        [sys.executable, "-m", "flashckpt.agent.cli", "controller", "--bind", cluster.controller,
+         "--policy", "in-process", "--events", str(tmp_path / "controller.events.jsonl")],
+        env={**os.environ, "FLASHCKPT_CONTROLLER_TOKEN": TOKEN}, stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "recovery store serving" in (tmp_path / "controller.log").read_text(),
+                 60, what="the standalone controller")  # fmt: skip
+        for node in range(NODES):
+            cluster.start(node)
+    except BaseException:
+        cluster.close()
+        controller.kill()
+        raise
+    try:
+        run = cluster.finish()
+    finally:
+        controller.terminate()
+        controller.wait(30)
+        log.close()
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert not events(run, "controller_started")  # no launcher served it
+    started = events(run, "replacement_started")
+    assert [(e["rank"], e["round"]) for e in started] == [(1, 1)], started
     assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
 
 

@@ -248,7 +248,6 @@ class RecoveringAgent(LocalElasticAgent):
     """TorchElastic's agent, with a lost worker replaced in place (see the module doc)."""
 
     supervisor: Supervisor  # set by install()
-    served_store: Any = None  # the recovery store, when this launcher serves it
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # The workers' environments, as TorchElastic hands them to start_processes: what a
@@ -281,24 +280,10 @@ class RecoveringAgent(LocalElasticAgent):
         super()._shutdown(*args, **kwargs)
 
 
-def host_store(address: str) -> tuple[Any, str]:
-    """Serve the job's recovery store at ``address`` (``host:port``, port 0: any); the store
-    (keep it referenced) and the address workers reach it at."""
-    from .control import split_address
-
-    host, port = split_address(address, "the recovery store")
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))  # fmt: skip
-    shown = f"[{host}]" if ":" in host else host
-    return store, f"{shown}:{store.port}"
-
-
-def install(events: EventLog, store_address: str, deadline: float, standbys: int,
-            served: Any = None) -> None:  # fmt: skip
-    """Make ``torch.distributed.run`` use RecoveringAgent for this launcher's workers;
-    ``served``: the store this launcher serves, kept as long as the process runs."""
+def install(events: EventLog, store_address: str, deadline: float, standbys: int) -> None:
+    """Make ``torch.distributed.run`` use RecoveringAgent for this launcher's workers, which
+    reach the job's recovery store at ``store_address`` (on loopback, see ``store_gate``)."""
     import torch.distributed.launcher.api as launcher_api
 
     RecoveringAgent.supervisor = Supervisor(events, store_address, deadline, standbys)
-    RecoveringAgent.served_store = served
     launcher_api.LocalElasticAgent = RecoveringAgent  # type: ignore[misc]

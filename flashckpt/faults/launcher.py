@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..errors import FlashCkptError
@@ -239,32 +239,56 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
     return served
 
 
-def in_process(args, controller: InThread | None, events: EventLog) -> None:
-    """Set up in-process recovery: the job's recovery store (served here when this launcher
-    serves the controller, or runs alone), its address for the workers, the warm standbys and
-    the agent that replaces a lost worker."""
+def recovery_store_address(args) -> str:
+    """Where the job's recovery store is reached: FLASHCKPT_RECOVERY_STORE, else the
+    controller's host with its port + 1 (on every node alike)."""
     from .inprocess import STORE_ENV
-    from .inprocess_agent import host_store, install
 
-    address = os.environ.get(STORE_ENV)
-    store = None
-    if controller is not None:  # served next to the controller, which only one node can bind
-        if address is None:
-            host = control.split_address(controller_address(args))[0]
-            port = controller.port + 1 if not args.standalone else 0
-            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        store, address = host_store(address)
-    if address is None:
-        raise FlashCkptError(
-            "in-process recovery needs the job's recovery store: set FLASHCKPT_RECOVERY_STORE "
-            "to host:port on every node (the node that can bind it serves it)"
-        )
-    os.environ[STORE_ENV] = address
+    if os.environ.get(STORE_ENV):
+        control.split_address(os.environ[STORE_ENV], STORE_ENV)
+        return os.environ[STORE_ENV]
+    host, port = control.split_address(controller_address(args))
+    return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
+
+
+def in_process(args, events: EventLog) -> Any:
+    """Set up in-process recovery: this node's way to the job's recovery store (the store
+    itself where this launcher can bind its address, or runs alone; a tunnel to it
+    otherwise, see ``store_gate``), its loopback address for the workers, the warm standbys
+    and the agent that replaces a lost worker. Returns what must stay referenced."""
+    from .inprocess import STORE_ENV
+    from .inprocess_agent import install
+    from .store_gate import LoopbackStore, StoreGate, StoreTunnel
+
+    single = args.standalone or str(args.nnodes) in ("1", "1:1")
+    if single:  # nobody else to reach it: the store on loopback alone
+        keep: Any = LoopbackStore()
+        local = f"127.0.0.1:{keep.port}"
+    else:
+        token = control.token_from_env()
+        if token is None:
+            raise FlashCkptError(
+                "in-process recovery across nodes needs the job's token, which the recovery "
+                "store asks of every node: set FLASHCKPT_CONTROLLER_TOKEN_FILE (or "
+                "FLASHCKPT_CONTROLLER_TOKEN) on every node, as for the controller"
+            )
+        address = recovery_store_address(args)
+        host, port = control.split_address(address, "the recovery store")
+        try:
+            keep = StoreGate(host, port, token.encode())
+            local = f"127.0.0.1:{keep.store_port}"
+            log.info("serving the job's recovery store on %s", keep.address)
+        except OSError:  # another node's (or the standalone controller's) address
+            keep = StoreTunnel(host, port, token.encode())
+            local = keep.address
+            log.info("reaching the job's recovery store at %s through %s", address, local)
+    os.environ[STORE_ENV] = local
     deadline = config.setting_float("recovery_deadline", None, 30.0, lo=1.0)
     standbys = int(config.setting_float("standby", None, 1.0, lo=0.0))
-    install(events, address, deadline, standbys, served=store)
-    log.info("in-process recovery: store %s, %d warm standby(s), rounds form within %.0fs",
-             address, standbys, deadline)  # fmt: skip
+    install(events, local, deadline, standbys)
+    log.info("in-process recovery: %d warm standby(s), rounds form within %.0fs", standbys,
+             deadline)  # fmt: skip
+    return keep
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -289,8 +313,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    recovery_store = None
     if restart_policy == "in-process":
-        in_process(args, controller, events)
+        try:
+            recovery_store = in_process(args, events)
+        except FlashCkptError as exc:
+            sys.exit(f"flashckpt-run: {exc}")
     os.environ["FLASHCKPT_JOB"] = job
     os.environ[EVENTS_ENV] = str(events.path)
     log.info("job %s; event log %s", job, events.path)
@@ -316,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         control.file_path(run_dir, job).unlink(missing_ok=True)
         control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
         os.close(claim)
+        if recovery_store is not None:
+            recovery_store.close()
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 

@@ -1,0 +1,208 @@
+"""The job's recovery store behind a gate that only the job's own processes pass.
+
+In-process recovery keeps its rounds in a ``TCPStore``: which round the job is in, who has
+arrived, the round's process-group bootstrap (gloo addresses, NCCL unique ids). A plain
+``TCPStore`` server listens on every interface and asks nobody who they are; anyone who
+reaches it could move the round (a job-wide rollback) or rewrite a round's bootstrap keys. So
+the store is never reachable directly:
+
+- the node that serves it binds the store itself to loopback (``master_listen_fd``) and puts a
+  ``StoreGate`` on the address the job asked for, on that address alone;
+- every node's launcher runs a ``StoreTunnel``: its workers and standbys talk to a loopback
+  port, and the tunnel carries each connection to the gate;
+- a connection passes the gate only by answering a fresh challenge with an HMAC-SHA256 of the
+  job's token (``FLASHCKPT_CONTROLLER_TOKEN``, the controller's), so the token never crosses
+  the network. What passes is then relayed byte for byte.
+
+A process on a node can reach that node's tunnel, as it can the node's shared memory and
+agent: the node is the unit of trust, the network is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES = 32
+PURPOSE = b"flashckpt recovery store v1\n"
+HANDSHAKE_TIMEOUT = 5.0
+PIPE_BYTES = 1 << 16
+
+
+def answer(token: bytes, nonce: bytes) -> bytes:
+    """What a holder of ``token`` answers to the gate's challenge ``nonce``."""
+    return hmac.new(token, PURPOSE + nonce, hashlib.sha256).digest()
+
+
+def _loopback_listener() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(PIPE_BYTES):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+async def _relay(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:  # fmt: skip
+    """Copy both ways until either side closes."""
+    for sock in (a[1], b[1]):
+        raw = sock.get_extra_info("socket")
+        if raw is not None:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await asyncio.gather(_pipe(a[0], b[1]), _pipe(b[0], a[1]))
+
+
+class _Loop(threading.Thread):
+    """An asyncio loop of its own, in a daemon thread: the gate and the tunnel serve while the
+    launcher's main thread runs TorchElastic."""
+
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, make: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """End every relay and stop the loop."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                self.call(cancel_all, timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.join(5)
+
+
+class LoopbackStore:
+    """A ``TCPStore`` server listening on loopback only (not on every interface, as one made
+    with a host name does): the socket is made here and handed to it."""
+
+    def __init__(self, timeout: float = 30.0):
+        import torch.distributed as dist
+
+        self._listener = _loopback_listener()
+        self.port = self._listener.getsockname()[1]
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
+                                   wait_for_workers=False, master_listen_fd=self._listener.fileno(),
+                                   timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class StoreGate:
+    """Serve the job's recovery store: a ``TCPStore`` on loopback, and the gate to it on
+    ``host:port`` (port 0: any free one) for the holders of ``token``."""
+
+    def __init__(self, host: str, port: int, token: bytes, store_timeout: float = 30.0):
+        """OSError if ``host:port`` cannot be bound here (another node's address, or taken)."""
+        self.token, self.host, self.refused = token, host, 0
+        self._thread = _Loop("flashckpt-store-gate")
+        self._thread.start()
+        try:
+            self._server = self._thread.call(
+                lambda: asyncio.start_server(self._serve, host, port, reuse_address=True)
+            )
+        except BaseException:
+            self._thread.stop()
+            raise
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._store = LoopbackStore(store_timeout)
+        self.store_port = self._store.port
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            writer.write(nonce)
+            await writer.drain()
+            got = await asyncio.wait_for(reader.readexactly(32), HANDSHAKE_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
+            got = b""
+        if not hmac.compare_digest(got, answer(self.token, nonce)):
+            self.refused += 1
+            log.warning("recovery store: refused a connection from %s that did not prove the "
+                        "job's token", peer)  # fmt: skip
+            writer.close()
+            return
+        try:
+            store = await asyncio.open_connection("127.0.0.1", self.store_port)
+        except OSError as exc:
+            log.warning("recovery store: %s", exc)
+            writer.close()
+            return
+        await _relay((reader, writer), store)
+
+    def close(self) -> None:
+        self._server.close()
+        self._thread.stop()
+        self._store.close()
+
+
+class StoreTunnel:
+    """This node's way to the recovery store: a loopback port whose connections are carried
+    to the gate at ``address``, each after proving ``token``."""
+
+    def __init__(self, host: str, port: int, token: bytes):
+        self.remote, self.token = (host, port), token
+        self._thread = _Loop("flashckpt-store-tunnel")
+        self._thread.start()
+        self._server = self._thread.call(lambda: asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            gate = await asyncio.wait_for(asyncio.open_connection(*self.remote), HANDSHAKE_TIMEOUT)
+            nonce = await asyncio.wait_for(gate[0].readexactly(NONCE_BYTES), HANDSHAKE_TIMEOUT)
+            gate[1].write(answer(self.token, nonce))
+            await gate[1].drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            log.warning("recovery store at %s:%d cannot be reached: %s", *self.remote, exc)
+            writer.close()
+            return
+        await _relay((reader, writer), gate)
+
+    def close(self) -> None:
+        self._server.close()
+        self._thread.stop()
