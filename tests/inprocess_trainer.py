@@ -3,7 +3,9 @@
 The model, data and steps are ``ft_trainer``'s, so a run ends bit-identical to its undisturbed
 one. ``FT_FAULTS``: ``kind:rank:step`` items, comma-separated, each injected once per job (a
 marker in ``FT_MARKS``) right after that rank saves that step: ``kill`` (SIGKILL), ``stop``
-(SIGSTOP), ``raise`` (a Python exception in that rank's training function). Every time
+(SIGSTOP), ``raise`` (a Python exception in that rank's training function); and
+``recurring-raise``, raised at that step and every one after (worded as NCCL words its own
+errors, so only the recovery budget stops it). Every time
 ``train`` starts, each rank prints ``restored <rank> <step|None> pid=<pid>``; when it ends,
 ``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=... groups=...``, what the tests compare
 across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
@@ -54,6 +56,9 @@ def scheduled(rank: int) -> tuple[str, str] | None:
 
 def inject(rank: int, step: int, planned: dict) -> None:
     kind, mark = planned.get((rank, step)), f"{planned.get((rank, step))}-{rank}-{step}"
+    if any(k == "recurring-raise" and r == rank and step >= s for (r, s), k in planned.items()):
+        # from that step on, every time: a deterministic fault
+        raise RuntimeError("NCCL error: invalid usage (a fault injected every time)")
     if kind is None:
         due = scheduled(rank)
         if due is None:

@@ -160,12 +160,33 @@ def test_a_second_fault_during_recovery_falls_back_to_restarting_every_worker(tm
 
 
 @pytest.mark.slow
+def test_a_fault_that_recurs_spends_the_recovery_budget_then_the_restarts_and_the_job_ends(
+    tmp_path,
+):
+    """Rank 2 fails at step 8 every time, with an error worded as NCCL words its own (the
+    "same error twice" guard takes it for a peer's fault). In-process recovery stops after
+    its budget (2 within 100 steps here), TorchElastic's restarts (3) are spent the same way,
+    and the job ends failed instead of recovering forever."""
+    began = time.monotonic()
+    run = run_job(tmp_path, "ip-budget", trainer=TRAINER, timeout=300,
+                  **env(FT_FAULTS="recurring-raise:2:8", FLASHCKPT_RECOVERY_BUDGET="2/100"))  # fmt: skip
+    assert run.codes != [0, 0], explain(run)
+    assert time.monotonic() - began < 300
+    gave_up = events(run, "inprocess_gave_up")
+    assert gave_up and all("recovery budget 2/100" in e["reason"] for e in gave_up), gave_up
+    faults = [e for e in events(run, "inprocess_fault") if e["rank"] == 2]
+    # per worker group (the first and three restarts): at most the budget, plus the one over
+    assert 3 <= len(faults) <= 4 * 3, len(faults)
+
+
+@pytest.mark.slow
 def test_ten_faults_in_one_run_and_nothing_grows_in_the_survivors(tmp_path, reference):
     ranks = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # rank 0 is never hit: it survives all ten
     kinds = ["kill", "raise"] * 5
     plan = ",".join(f"{k}:{r}:{s}" for k, r, s in zip(kinds, ranks, range(2, 22, 2), strict=True))
     began = time.monotonic()
-    run = run_job(tmp_path, "ip-ten", trainer=TRAINER, timeout=400, **env(FT_FAULTS=plan))
+    run = run_job(tmp_path, "ip-ten", trainer=TRAINER, timeout=400,
+                  **env(FT_FAULTS=plan, FLASHCKPT_RECOVERY_BUDGET="10/100"))  # fmt: skip
     assert run.codes == [0, 0], explain(run)
     assert run.digest == reference
     assert not events(run, "inprocess_fallback"), events(run, "inprocess_fallback")

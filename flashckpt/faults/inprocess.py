@@ -23,6 +23,7 @@ it is ``init_process_group()``, ``train()``, ``destroy_process_group()``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -30,11 +31,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import config
+from ..errors import ConfigError
 from . import heartbeat
 from .events import EventLog
 
@@ -45,6 +48,7 @@ EXIT_GAVE_UP = 75
 STORE_ENV = "FLASHCKPT_RECOVERY_STORE"  # host:port of the launcher's recovery store
 NAMESPACE_ENV = "FLASHCKPT_RECOVERY_NAMESPACE"  # keys of this incarnation of the worker group
 ROUND_ENV = "FLASHCKPT_RECOVERY_ROUND"  # the round a replacement joins
+ROUND_FILE_ENV = "FLASHCKPT_RECOVERY_ROUND_FILE"  # the node's relay of the job's round
 DEFAULT_DEADLINE = 30.0  # seconds for a round to form (FLASHCKPT_RECOVERY_DEADLINE)
 COLLECTIVE_TIMEOUT = 1800.0  # a round's collectives: torch's own default
 
@@ -100,6 +104,83 @@ def namespace(env: Mapping[str, str]) -> str:
     return env.get(NAMESPACE_ENV) or f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
 
 
+def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
+    """Move the job from round ``past`` to ``past + 1``, unless a later round is named
+    already, and mark round ``past`` over (round watches wake on it); the job's round now.
+    Whoever moves it records the step of the fault, for the recovery budget."""
+    key = f"flashckpt/{ns}"
+    nxt = past + 1
+    found = int(store.compare_set(f"{key}/round", str(past), str(nxt)).decode())
+    now = max(nxt, found)
+    store.set(f"{key}/round-{past}/over", str(now))
+    store.set(f"{key}/round-{past}/formed", "moved on")  # wakes ranks still waiting for it
+    # compare_set answers the value it leaves, the same whoever set it: count the movers.
+    if store.add(f"{key}/round-{past}/moved", 1) == 1:
+        store.append(f"{key}/recoveries", f"{-1 if step is None else step},")
+    return now
+
+
+def abort_all_groups() -> None:
+    """Abort every process group of this process, not only the default one: subgroups
+    (DeviceMesh, FSDP, tensor and pipeline parallel, DeepSpeed's) and the communicators torch
+    makes for point-to-point operations, so that a collective blocked in any of them returns.
+    Under NCCL the aborts run inside one group call, as torch's own ``_abort_process_group``
+    does (aborting communicators one by one can deadlock). Unlike it, the groups stay
+    registered here: ``destroy_process_group`` then removes them on the training thread."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world  # every group this process made, newest first (torch's own order)
+    groups = sorted(world.pg_names, key=lambda pg: world.pg_names[pg], reverse=True)
+    nccl = None
+    default = c10d.GroupMember.WORLD
+    if default is not None and c10d.is_nccl_available():
+        with contextlib.suppress(RuntimeError):
+            backend = default._get_backend(torch.device("cuda"))
+            if isinstance(backend, c10d.ProcessGroupNCCL):
+                nccl = backend
+    if nccl is not None:
+        nccl._group_start()
+    try:
+        for pg in groups:
+            try:
+                pg.abort()
+            except Exception as exc:  # a backend that cannot abort: destroying closes it
+                log.debug("abort of %s: %s", world.pg_names.get(pg), exc)
+    finally:
+        if nccl is not None:
+            nccl._group_end()
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most ``count`` in-process recoveries within ``steps`` steps
+    (``FLASHCKPT_RECOVERY_BUDGET=count/steps``, default 3/100): past it, the job falls back to
+    TorchElastic's restarts, which ``--max-restarts`` bounds, so a fault that recurs at the
+    same step ends the job instead of looping forever."""
+
+    count: int = 3
+    steps: int = 100
+
+    def __str__(self) -> str:
+        return f"{self.count}/{self.steps}"
+
+    @classmethod
+    def from_env(cls) -> Budget:
+        text = str(config.setting("recovery_budget", None, "3/100")).strip()
+        count, _, steps = text.partition("/")
+        try:
+            budget = cls(int(count), int(steps))
+        except ValueError:
+            budget = cls(-1, -1)
+        if budget.count < 0 or budget.steps < 1:
+            raise ConfigError(
+                f"FLASHCKPT_RECOVERY_BUDGET={text!r} is not COUNT/STEPS (recoveries allowed "
+                "within a window of steps, e.g. 3/100); fix the variable or unset it"
+            )
+        return budget
+
+
 class Fault:
     def __init__(self, exc: BaseException):
         self.error = exc
@@ -128,33 +209,60 @@ class Rounds:
         self._fault_at: float | None = None
         self._address = (host, port)
         self._watch: RoundWatch | None = None
-        self._watch_client: dist.TCPStore | None = None
         self._watch_on = watch_setting()
+        self.budget = Budget.from_env()
 
-    def _watch_store(self) -> dist.TCPStore:
-        """A store client of the watch's own (one per process), so that it never waits on a
-        request of the training thread."""
-        if self._watch_client is None:
-            host, port = self._address
-            self._watch_client = dist.TCPStore(host, port, is_master=False,
-                                               timeout=datetime.timedelta(seconds=self.deadline))  # fmt: skip
-        return self._watch_client
+    def _round_source(self) -> NodeRound | StoreRound:
+        """Where this rank's watch learns that its round is over: the node's round file when
+        the launcher relays it (no store request per rank), else the store, with a client of
+        the watch's own (a blocked wait must not hold the training thread's connection)."""
+        if path := os.environ.get(ROUND_FILE_ENV):
+            return NodeRound(path)
+        host, port = self._address
+        client = dist.TCPStore(host, port, is_master=False,
+                               timeout=datetime.timedelta(seconds=self.deadline))  # fmt: skip
+        return StoreRound(client, self.ns)
 
     def key(self, name: str) -> str:
         return f"flashckpt/{self.ns}/{name}"
 
     def join(self) -> None:
-        """Make this round's process group once every rank has arrived; the process exits
-        with EXIT_GAVE_UP if they do not within the deadline."""
-        self.store.set(self.key(f"rank-{self.rank}/round"), str(self.round))
+        """Make this round's process group once every rank has arrived, following the job to
+        a later round when another fault moves it on meanwhile; the process exits with
+        EXIT_GAVE_UP if no round forms within the deadline (or the recovery budget is spent)."""
         began = time.monotonic()
-        arrived = self.key(f"round-{self.round}/arrived")
-        count = self.store.add(arrived, 1)
-        while count < self.world:
-            if time.monotonic() - began > self.deadline:
-                self._give_up(f"{count} of {self.world} ranks arrived")
-            time.sleep(0.005)
-            count = self.store.add(arrived, 0)
+        while not self._form(began):
+            self._next_round()
+        watch = self._watch_on if self._watch_on is not None else dist.get_backend() != "gloo"
+        if watch:
+            self._watch = RoundWatch(self._round_source(), self.round, abort_all_groups)
+            self._watch.start()
+        self.store.add(self.key(f"round-{self.round}/joined"), 1)
+        if self._left_at is not None:
+            self._record("inprocess_joined", rendezvous_s=time.monotonic() - self._left_at,
+                         since_fault_s=time.monotonic() - (self._fault_at or began))  # fmt: skip
+
+    def _form(self, began: float) -> bool:
+        """Arrive in this round and make its process group; False if the job moved to a later
+        round meanwhile (a rank that arrived has died, and was replaced into the next)."""
+        if self.round > 0:
+            self._check_budget()
+        self.store.set(self.key(f"rank-{self.rank}/round"), str(self.round))
+        arrived, formed = (
+            self.key(f"round-{self.round}/arrived"),
+            self.key(f"round-{self.round}/formed"),
+        )
+        if self.store.add(arrived, 1) == self.world:
+            self.store.set(formed, "1")
+        # One blocking wait, not a poll: the store answers when the last rank arrives, or when
+        # the round is moved on without forming (``move_round`` marks it formed then).
+        left = self.deadline - (time.monotonic() - began)
+        try:
+            self.store.wait([formed], datetime.timedelta(seconds=max(left, 0.001)))
+        except Exception:
+            self._give_up(f"{int(self.store.add(arrived, 0))} of {self.world} ranks arrived")
+        if self._current_round() > self.round:
+            return False
         prefix = dist.PrefixStore(self.key(f"round-{self.round}"), self.store)
         try:
             dist.init_process_group(self.backend, store=prefix, rank=self.rank,
@@ -162,21 +270,45 @@ class Rounds:
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))  # fmt: skip
             dist.barrier()  # formed: every rank of the round is in it
         except Exception as exc:  # a rank died between arriving and connecting
-            self._give_up(str(exc))
-        watch = self._watch_on if self._watch_on is not None else dist.get_backend() != "gloo"
-        if watch:
-            self._watch = RoundWatch(self._watch_store(), self.key("round"), self.round,
-                                     dist.group.WORLD.abort)  # fmt: skip
-            self._watch.start()
-        self.store.add(self.key(f"round-{self.round}/joined"), 1)
-        if self._left_at is not None:
-            self._record("inprocess_joined", rendezvous_s=time.monotonic() - self._left_at,
-                         since_fault_s=time.monotonic() - (self._fault_at or began))  # fmt: skip
+            log.warning("rank %d: round %d did not form (%s); moving on to the next",
+                        self.rank, self.round, exc)  # fmt: skip
+            self._close_groups(abort=True)
+            self._move_on()
+            return False
+        return True
 
-    def _give_up(self, why: str) -> None:
-        log.error("rank %d: round %d of in-process recovery did not form within %.0fs (%s); "
-                  "the launcher restarts every worker", self.rank, self.round, self.deadline,
-                  why)  # fmt: skip
+    def _current_round(self) -> int:
+        return int(self.store.get(self.key("round")).decode())
+
+    def _next_round(self) -> None:
+        self.round = max(self.round + 1, self._current_round())
+
+    def _move_on(self) -> int:
+        return move_round(self.store, self.ns, self.round, heartbeat.last_step())
+
+    def _check_budget(self) -> None:
+        """Give up on in-process recovery once the job has recovered ``budget.count`` times
+        within ``budget.steps`` steps: a fault that comes back every time (an OOM, a bad
+        batch) falls back to TorchElastic's restarts, which its ``--max-restarts`` bounds."""
+        key = self.key("recoveries")
+        steps = [int(s) for s in self.store.get(key).decode().split(",") if s] if (
+            self.store.check([key])) else []  # fmt: skip
+        if len(steps) <= self.budget.count:
+            return
+        newest = max(steps)
+        recent = [s for s in steps if s > newest - self.budget.steps]
+        if len(recent) > self.budget.count:
+            self._give_up(f"{len(recent)} recoveries within {self.budget.steps} steps (at steps "
+                          f"{recent}), over the recovery budget {self.budget}", budget=True)  # fmt: skip
+
+    def _give_up(self, why: str, budget: bool = False) -> None:
+        if budget:
+            log.error("rank %d: in-process recovery gives up: %s; the launcher restarts every "
+                      "worker", self.rank, why)  # fmt: skip
+        else:
+            log.error("rank %d: round %d of in-process recovery did not form within %.0fs (%s); "
+                      "the launcher restarts every worker", self.rank, self.round, self.deadline,
+                      why)  # fmt: skip
         self._record("inprocess_gave_up", reason=why[:300])
         os._exit(EXIT_GAVE_UP)
 
@@ -190,67 +322,105 @@ class Rounds:
         return fault
 
     def leave(self, finished: bool) -> None:
-        """Abort and destroy this round's process group; unless ``finished``, move on to the
+        """Abort and destroy this round's process groups; unless ``finished``, move on to the
         next round (the newest any rank has reached)."""
         began = time.monotonic()
         aborted = False
         if self._watch is not None:
             aborted = self._watch.stop()
             self._watch = None
+        nxt = None
+        if not finished:
+            # The round is named over first: the other ranks' watches wake on it while this
+            # one is still aborting and destroying (which can take a while).
+            nxt = self._move_on()
         gc.collect()  # what still refers to the group (a wrapper of the old round) goes first
-        group = dist.group.WORLD
-        if not finished and not aborted and group is not None:
-            try:
-                group.abort()  # closes its connections: peers blocked on this rank wake
-            except Exception as exc:  # a backend that cannot abort: destroying closes them
-                log.debug("abort: %s", exc)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if finished:
+        self._close_groups(abort=not finished and not aborted)
+        if nxt is None:
             return
         self._left_at = time.monotonic()
         self._record("inprocess_left", abort_s=self._left_at - began)
-        # The first rank to leave round r names round r + 1 (or the launcher did, when it
-        # handed out a replacement); a rank that finds a later one (another fault) joins that.
-        nxt = self.round + 1
-        found = self.store.compare_set(self.key("round"), str(self.round), str(nxt))
-        self.round = max(nxt, int(found.decode()))
+        self.round = nxt
+
+    @staticmethod
+    def _close_groups(abort: bool) -> None:
+        if abort:
+            abort_all_groups()  # closes their connections: peers blocked on this rank wake
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _record(self, kind: str, **fields: object) -> None:
         if self.events is not None:
             self.events.record(kind, rank=self.rank, round=self.round, **fields)
 
 
-class RoundWatch(threading.Thread):
-    """Calls ``abort`` once the store's round is past ``round`` (see the module doc)."""
+class NodeRound:
+    """The job's round as this node's launcher relays it: a small file in shared memory
+    (``FLASHCKPT_RECOVERY_ROUND_FILE``) that the launcher rewrites when a round is over, so the
+    ranks' watches read memory, never the store, while they train."""
 
-    def __init__(self, store: Any, key: str, round: int, abort: Callable[[], None],
-                 interval: float = 0.05):  # fmt: skip
+    def __init__(self, path: str):
+        self.path = path
+
+    def wait_past(self, round: int, halt: threading.Event, interval: float = 0.05) -> int | None:
+        while not halt.wait(interval):
+            try:
+                with open(self.path, "rb") as f:
+                    now = int(f.read(32).decode() or "0")
+            except (OSError, ValueError):
+                continue  # rewritten meanwhile, or not yet there
+            if now > round:
+                return now
+        return None
+
+
+class StoreRound:
+    """The job's round from the store itself (no launcher relays it): one blocking wait for
+    the round's ``over`` key, renewed every ``slice_s`` (nothing is polled)."""
+
+    def __init__(self, store: Any, ns: str, slice_s: float = 30.0):
+        self.store, self.ns, self.slice_s = store, ns, slice_s
+
+    def wait_past(self, round: int, halt: threading.Event) -> int | None:
+        key = f"flashckpt/{self.ns}/round-{round}/over"
+        backoff = 0.05
+        while not halt.is_set():
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=self.slice_s))
+                return int(self.store.get(key).decode())
+            except Exception as exc:  # not over yet, or a store blip: wait again
+                if "timeout" not in str(exc).lower():
+                    log.debug("round watch: %s", exc)
+                    halt.wait(backoff)
+                    backoff = min(backoff * 2, 1.0)
+        return None
+
+
+class RoundWatch(threading.Thread):
+    """Calls ``abort`` once the job's round is past ``round`` (see the module doc)."""
+
+    def __init__(self, source: Any, round: int, abort: Callable[[], None]):
         super().__init__(name=f"flashckpt-round-{round}", daemon=True)
-        self.store, self.key, self.round = store, key, round
-        self.abort, self.interval = abort, interval
+        self.source, self.round, self.abort = source, round, abort
         self._halt = threading.Event()
         self.aborted = False
 
     def run(self) -> None:
-        while not self._halt.wait(self.interval):
-            try:
-                now = int(self.store.get(self.key).decode())
-            except Exception as exc:  # the store gone: the launcher falls back on its own
-                log.debug("round watch: %s", exc)
-                return
-            if now > self.round and not self._halt.is_set():
-                log.warning("round %d is over (the job moved to round %d): aborting this "
-                            "rank's process group", self.round, now)  # fmt: skip
-                self.aborted = True
-                try:
-                    self.abort()
-                except Exception as exc:
-                    log.warning("aborting round %d's process group: %s", self.round, exc)
-                return
+        now = self.source.wait_past(self.round, self._halt)
+        if now is None or self._halt.is_set():
+            return
+        log.warning("round %d is over (the job moved to round %d): aborting this rank's "
+                    "process groups", self.round, now)  # fmt: skip
+        self.aborted = True
+        try:
+            self.abort()
+        except Exception as exc:
+            log.warning("aborting round %d's process groups: %s", self.round, exc)
 
     def stop(self) -> bool:
-        """Stop watching; whether the group was aborted."""
+        """Stop watching; whether the groups were aborted. A watch blocked in the store is
+        left to end by itself (a daemon thread, done at its next slice)."""
         self._halt.set()
-        self.join(5)
+        if isinstance(self.source, NodeRound):
+            self.join(5)
         return self.aborted

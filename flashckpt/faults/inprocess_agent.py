@@ -22,6 +22,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,19 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from .. import config
+from ..safe_paths import write_atomic
 from .events import EventLog
-from .inprocess import EXIT_GAVE_UP, NAMESPACE_ENV, ROUND_ENV, namespace
+from .heartbeat import heartbeat_path
+from .heartbeat import read as read_beat
+from .inprocess import (
+    EXIT_GAVE_UP,
+    NAMESPACE_ENV,
+    ROUND_ENV,
+    ROUND_FILE_ENV,
+    move_round,
+    namespace,
+)
 from .standby import READY_FD_ENV
 
 log = logging.getLogger(__name__)
@@ -114,13 +126,47 @@ class Recovery:
     replacement_s: float | None = None
 
 
+class RoundRelay(threading.Thread):
+    """Relays the job's round to this node's ranks: the launcher looks at the store every
+    ``interval`` for the round to be over and writes the new round to the node's round file,
+    which the ranks' watches read (``inprocess.NodeRound``). The store sees a few requests a
+    second per node while the job trains, however many ranks the node runs, and none from the
+    ranks themselves."""
+
+    def __init__(self, address: tuple[str, int], ns: str, path: Path, interval: float = 0.25):
+        super().__init__(name="flashckpt-round-relay", daemon=True)
+        self.address, self.ns, self.path, self.interval = address, ns, path, interval
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        key = f"flashckpt/{self.ns}"
+        round: int | None = None
+        store = None
+        while not self.halt.wait(0 if round is None else self.interval):
+            try:
+                if store is None:
+                    store = dist.TCPStore(*self.address, is_master=False,
+                                          timeout=datetime.timedelta(seconds=10))  # fmt: skip
+                if round is None or store.check([f"{key}/round-{round}/over"]):
+                    now = int(store.get(f"{key}/round").decode()) if store.check(
+                        [f"{key}/round"]) else 0  # fmt: skip
+                    if now != round:
+                        round = now
+                        write_atomic(self.path, str(round).encode())
+            except Exception as exc:  # a store blip: look again next time
+                log.debug("round relay: %s", exc)
+                store = None
+
+
 class Supervisor:
     def __init__(self, events: EventLog, store_address: str, deadline: float, standbys: int):
         from .control import split_address
 
         host, port = split_address(store_address, "the recovery store")
+        self.address = (host, port)
         self.store = dist.TCPStore(host, port, is_master=False,
                                    timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        self.relay: RoundRelay | None = None
         self.events, self.deadline = events, deadline
         self.standbys = Standbys(standbys, events)
         self.members: dict[int, Member] = {}  # local rank -> member
@@ -140,6 +186,11 @@ class Supervisor:
             env = {**os.environ, **envs[w.local_rank]}
             self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)
             self.world = w.world_size
+        if path := os.environ.get(ROUND_FILE_ENV):  # a new worker group: a new namespace
+            self._stop_relay()
+            ns = namespace(next(iter(self.members.values())).env)
+            self.relay = RoundRelay(self.address, ns, Path(path))
+            self.relay.start()
         self.standbys.fill()
 
     def stop(self) -> None:
@@ -152,6 +203,15 @@ class Supervisor:
     def close(self) -> None:
         self.stop()
         self.standbys.close()
+        self._stop_relay()
+
+    def _stop_relay(self) -> None:
+        """End the relay before the process exits (a thread in a store call at exit takes
+        the process down)."""
+        if self.relay is not None:
+            self.relay.halt.set()
+            self.relay.join(self.relay.interval + 10)
+            self.relay = None
 
     # ---- watching ---------------------------------------------------------------------
     def monitor(self, original: Any, pcontext: Any) -> RunResult:
@@ -194,10 +254,8 @@ class Supervisor:
         ns = namespace(m.env)
         died_in = int(self.store.get(f"flashckpt/{ns}/rank-{m.rank}/round").decode()
                       if self.store.check([f"flashckpt/{ns}/rank-{m.rank}/round"]) else 0)  # fmt: skip
-        target = died_in + 1
-        current = int(self.store.compare_set(f"flashckpt/{ns}/round", str(died_in),
-                                             str(target)).decode())  # fmt: skip
-        target = max(target, current)
+        beat = read_beat(heartbeat_path(config.shm_dir(), m.env.get("FLASHCKPT_JOB", ""), m.rank))
+        target = move_round(self.store, ns, died_in, beat.step if beat is not None else None)
         env = {**m.env, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
         proc.stdin.write(json.dumps({"env": env, "args": self.args, "cwd": os.getcwd()}) + "\n")
         proc.stdin.close()

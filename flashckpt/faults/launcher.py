@@ -251,14 +251,16 @@ def recovery_store_address(args) -> str:
     return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
 
 
-def in_process(args, events: EventLog) -> Any:
+def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
     """Set up in-process recovery: this node's way to the job's recovery store (the store
     itself where this launcher can bind its address, or runs alone; a tunnel to it
     otherwise, see ``store_gate``), its loopback address for the workers, the warm standbys
     and the agent that replaces a lost worker. Returns what must stay referenced."""
-    from .inprocess import STORE_ENV
+    from .inprocess import ROUND_FILE_ENV, STORE_ENV, Budget
     from .inprocess_agent import install
     from .store_gate import LoopbackStore, StoreGate, StoreTunnel
+
+    Budget.from_env()  # a bad FLASHCKPT_RECOVERY_BUDGET fails here, not in every worker
 
     single = args.standalone or str(args.nnodes) in ("1", "1:1")
     if single:  # nobody else to reach it: the store on loopback alone
@@ -283,6 +285,8 @@ def in_process(args, events: EventLog) -> Any:
             local = keep.address
             log.info("reaching the job's recovery store at %s through %s", address, local)
     os.environ[STORE_ENV] = local
+    # The round this node's ranks are in, relayed by the launcher (see RoundRelay).
+    os.environ[ROUND_FILE_ENV] = str(private_dir(shm_dir, "shm_dir") / f"{job}.recovery-round")
     deadline = config.setting_float("recovery_deadline", None, 30.0, lo=1.0)
     standbys = int(config.setting_float("standby", None, 1.0, lo=0.0))
     install(events, local, deadline, standbys)
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     recovery_store = None
     if restart_policy == "in-process":
         try:
-            recovery_store = in_process(args, events)
+            recovery_store = in_process(args, events, shm_dir, job)
         except FlashCkptError as exc:
             sys.exit(f"flashckpt-run: {exc}")
     os.environ["FLASHCKPT_JOB"] = job

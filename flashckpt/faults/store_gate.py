@@ -148,6 +148,10 @@ class StoreGate:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # closing: the relay just ends
+            await self._admit(reader, writer)
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         nonce = secrets.token_bytes(NONCE_BYTES)
         try:
@@ -192,6 +196,10 @@ class StoreTunnel:
         return f"127.0.0.1:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # closing: the relay just ends
+            await self._carry(reader, writer)
+
+    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             gate = await asyncio.wait_for(asyncio.open_connection(*self.remote), HANDSHAKE_TIMEOUT)
             nonce = await asyncio.wait_for(gate[0].readexactly(NONCE_BYTES), HANDSHAKE_TIMEOUT)
