@@ -72,6 +72,8 @@ def run_recoverable(train: Callable[[], Any], backend: str | None = None,
         "recovery_deadline", deadline, DEFAULT_DEADLINE, lo=1.0))  # fmt: skip
     own_error: tuple[str, str] | None = None
     while True:
+        if rounds.round > 0 and not cuda_healthy():
+            rounds.leave_broken()
         rounds.join()
         try:
             result = train()
@@ -88,6 +90,65 @@ def run_recoverable(train: Callable[[], Any], backend: str | None = None,
             own_error = fault.signature
         del fault  # its traceback holds the round's objects (a DDP wrapper holds the group)
         rounds.leave(finished=False)
+
+
+# What NCCL and ProcessGroupNCCL must do for a survivor to stay alive through a peer's fault
+# and rejoin: not tear the process down on a communicator error (the abort that releases it
+# is one), not rethrow CUDA errors as fatal, and no NVLink SHARP buffers (not released by an
+# abort). Values a worker may have, the first the one set when unset.
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("0", "2"),
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": ("0",),
+    "NCCL_NVLS_ENABLE": ("0",),
+}
+MIN_NCCL = (2, 26, 2)
+EXIT_CUDA_BROKEN = 76
+"""A worker's exit status when its CUDA context holds a sticky error: it cannot rejoin in
+place, the launcher replaces it."""
+
+
+def nccl_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set for in-process recovery's workers (those unset in ``env``); a
+    ConfigError listing every requirement when ``env`` sets one otherwise."""
+    wrong = [f"{k}={env[k]}" for k, ok in NCCL_ENV.items() if k in env and env[k] not in ok]
+    if wrong:
+        need = ", ".join(f"{k}={'|'.join(ok)}" for k, ok in NCCL_ENV.items())
+        raise ConfigError(
+            f"in-process recovery needs {need} (a survivor must outlive a peer's fault and the "
+            f"abort that releases it); found {', '.join(wrong)}: unset them, or use "
+            "FLASHCKPT_RESTART_POLICY=restart"
+        )
+    return {k: ok[0] for k, ok in NCCL_ENV.items() if k not in env}
+
+
+def cuda_healthy(cuda: Any = None) -> bool:
+    """Whether this process's CUDA context can go on: a sticky error (an illegal address, a
+    device lost) poisons it for good, and a rank with one must not rejoin a round."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    if not (cuda.is_available() and cuda.is_initialized()):
+        return True
+    try:
+        cuda.synchronize()
+    except RuntimeError as exc:
+        log.error("this process's CUDA context failed (%s): it cannot rejoin in place; its "
+                  "replacement takes the rank", exc)  # fmt: skip
+        return False
+    return True
+
+
+def _check_nccl(backend: str) -> None:
+    if backend != "nccl":
+        return
+    import torch
+
+    version = tuple(torch.cuda.nccl.version())
+    if version < MIN_NCCL:
+        log.warning("NCCL %s is older than %s: aborting a communicator while a peer is lost "
+                    "may hang there; upgrade NCCL (or torch) for in-process recovery",
+                    ".".join(map(str, version)), ".".join(map(str, MIN_NCCL)))  # fmt: skip
 
 
 def watch_setting() -> bool | None:
@@ -233,6 +294,8 @@ class Rounds:
         began = time.monotonic()
         while not self._form(began):
             self._next_round()
+        if self._left_at is None:
+            _check_nccl(dist.get_backend())
         watch = self._watch_on if self._watch_on is not None else dist.get_backend() != "gloo"
         if watch:
             self._watch = RoundWatch(self._round_source(), self.round, abort_all_groups)
@@ -300,6 +363,11 @@ class Rounds:
         if len(recent) > self.budget.count:
             self._give_up(f"{len(recent)} recoveries within {self.budget.steps} steps (at steps "
                           f"{recent}), over the recovery budget {self.budget}", budget=True)  # fmt: skip
+
+    def leave_broken(self) -> None:
+        """Exit for good: this process cannot go on (see ``cuda_healthy``)."""
+        self._record("inprocess_cuda_broken")
+        os._exit(EXIT_CUDA_BROKEN)
 
     def _give_up(self, why: str, budget: bool = False) -> None:
         if budget:

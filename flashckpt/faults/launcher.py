@@ -256,11 +256,13 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
     itself where this launcher can bind its address, or runs alone; a tunnel to it
     otherwise, see ``store_gate``), its loopback address for the workers, the warm standbys
     and the agent that replaces a lost worker. Returns what must stay referenced."""
-    from .inprocess import ROUND_FILE_ENV, STORE_ENV, Budget
+    from .inprocess import ROUND_FILE_ENV, STORE_ENV, Budget, nccl_environment
     from .inprocess_agent import install
     from .store_gate import LoopbackStore, StoreGate, StoreTunnel
 
     Budget.from_env()  # a bad FLASHCKPT_RECOVERY_BUDGET fails here, not in every worker
+    for name, value in nccl_environment(os.environ).items():  # inherited by every worker
+        os.environ[name] = value
 
     single = args.standalone or str(args.nnodes) in ("1", "1:1")
     if single:  # nobody else to reach it: the store on loopback alone
