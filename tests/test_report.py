@@ -128,16 +128,18 @@ def test_the_projection_is_the_model_worked_by_hand():
     m = project("--gpus", "8192", "--step-s", "2", "--stall-s", "0.02", "--save-every", "2",
                 "--restart-s", "100", "--inprocess-s", "3", "--in-place", "0.5",
                 "--detect-exit-s", "1", "--hang-timeout-s", "20", "--node-timeout-s", "5",
-                "--recomputed", "1.5", "--mix", "exit=2,hang=1,node=1")  # fmt: skip
+                "--recomputed", "1.5", "--mix", "exit=2,hang=1,node=1",
+                "--recovery-deadline-s", "10", "--node-extra-s", "50")  # fmt: skip
     rate = 419 / (54 * 24) / 2 / 3600  # per second: half Llama 3's GPUs, half its rate
     mix = {"exit": 0.5, "hang": 0.25, "node": 0.25}
     detect = {"exit": 1, "hang": 20, "node": 5.25}
     stall = 0.02 / (2 * 2)
     for policy, recover in (
-        ("restart", {"exit": 100, "hang": 100, "node": 100}),
-        # Half the exits and hangs recover in place; the others fail that attempt, then
-        # restart; a lost node always restarts.
-        ("in-process", {"exit": 3 + 50, "hang": 3 + 50, "node": 100}),
+        # A lost node restarts on a spare, restored from a shared tier: 50 s more.
+        ("restart", {"exit": 100, "hang": 100, "node": 150}),
+        # Half the exits and hangs recover in place; the others fail that attempt, wait up to
+        # the recovery deadline, then restart; a lost node always restarts.
+        ("in-process", {"exit": 3 + 0.5 * (10 + 100), "hang": 3 + 0.5 * (10 + 100), "node": 150}),
     ):
         lost = sum(rate * mix[k] * (detect[k] + recover[k] + 1.5 * 2) for k in mix)
         got = m.project(policy)
@@ -145,6 +147,19 @@ def test_the_projection_is_the_model_worked_by_hand():
         assert got["recovery"] == pytest.approx(sum(rate * mix[k] * recover[k] for k in mix))
         assert got["effective"] == pytest.approx((1 - lost) * (1 - stall))
     assert m.project("in-process")["effective"] > m.project("restart")["effective"]
+
+
+def test_saving_less_often_costs_more_recomputed_steps_and_the_mix_says_it_is_assumed():
+    """A save every 100 steps loses, on average, the step in progress and half the steps since
+    the last save: saving less often must not raise the projection for free."""
+    every = {n: project("--save-every", str(n), "--stall-s", "0.02") for n in (1, 10, 100)}
+    assert [every[n].recomputed.value for n in (1, 10, 100)] == [1.0, 5.5, 50.5]
+    lost = {n: 1 - every[n].project("restart")["effective"] for n in every}
+    recomputed = {n: every[n].project("restart")["recomputed"] for n in every}
+    assert recomputed[1] < recomputed[10] < recomputed[100]
+    assert every[100].project("restart")["save stall"] < every[1].project("restart")["save stall"]
+    assert lost[1] > 0 and every[1].mix_source.startswith("default: an assumption")
+    assert lost[100] > lost[1]  # a 20 ms stall a save does not pay for 50 more steps redone
 
 
 def test_the_projection_takes_its_parts_from_the_logs_and_names_their_sources():

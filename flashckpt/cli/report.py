@@ -102,9 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--mix",
         type=_mix,
-        default={"exit": 0.6, "hang": 0.2, "node": 0.2},
-        help="interruptions by kind (default exit=0.6,hang=0.2,node=0.2)",
+        default=None,
+        help="interruptions by kind (default exit=0.6,hang=0.2,node=0.2: an assumption)",
     )
+    g.add_argument("--recovery-deadline-s", type=_number(),
+                   help="what a failed in-process attempt waits before restarting (default 30)")  # fmt: skip
+    g.add_argument("--node-extra-s", type=_number(),
+                   help="a lost node's wait for a spare and restore from a shared tier "
+                        "(default 120)")  # fmt: skip
 
 
 def run(args: argparse.Namespace, out: Output) -> int:

@@ -12,10 +12,13 @@ of every step. Over a long run, with ``lost = rate x mean cost`` (a fraction of 
     effective = (1 - lost) x (1 - stall fraction)
 
 Kinds: a worker that exits, a hang (detected after the hang timeout) and a lost node
-(detected after the node timeout). Under in-process recovery a lost node still takes a full
-restart, and so does a fault that leaves the node unusable (a dead GPU: the replacement cannot
-start on it) - the ``in-place`` share says how many of the others in-process recovery can
-take; the rest pay a failed in-process attempt, then the restart.
+(detected after the node timeout). A lost node takes a full restart under either policy, plus
+the wait for a spare node and its restore from a shared tier. Under in-process recovery a
+fault that leaves the node unusable (a dead GPU: the replacement cannot start on it) also
+restarts - the ``in-place`` share says how many exits and hangs in-process recovery can take;
+the rest pay a failed in-process attempt, the wait up to the recovery deadline, then the
+restart. Recomputed steps follow the save interval: the step in progress and, on average,
+half the steps since the last save.
 
 Every part comes from the event logs when they hold it (medians over their failures), else
 from an option, else from a default that says where it comes from; the output names the
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from .report import Report
 
 LLAMA3 = (419, 54.0, 16384)  # interruptions, days, GPUs (Llama 3 paper, section 3.3.4)
+DEFAULT_MIX = {"exit": 0.6, "hang": 0.2, "node": 0.2}
 TARGET = 0.988
 KINDS = ("exit", "hang", "node")
 POLICIES = ("restart", "in-process")
@@ -53,6 +57,9 @@ class Model:
     recover: dict[str, Part]
     mix: dict[str, float]  # kind -> share of interruptions
     in_place: Part  # share of exits and hangs in-process recovery can take where they are
+    deadline_s: Part = field(default_factory=lambda: Part(30.0, "default"))  # a failed attempt
+    node_extra_s: Part = field(default_factory=lambda: Part(0.0, "default"))  # spare + restore
+    mix_source: str = "given"
     parts: dict[str, dict[str, float]] = field(default_factory=dict)  # policy -> where lost
 
     def cost(self, policy: str, kind: str) -> dict[str, float]:
@@ -60,11 +67,14 @@ class Model:
         redo = self.recomputed.value * self.step_s.value
         out = {"detection": self.detect[kind].value, "recovery": 0.0, "recomputed": redo}
         restart = self.recover["restart"].value
-        if policy == "restart" or kind == "node":
+        if kind == "node":  # a restart either way, on a spare node, from a shared tier
+            out["recovery"] = restart + self.node_extra_s.value
+        elif policy == "restart":
             out["recovery"] = restart
         else:
             p = self.in_place.value  # the rest fall back after a failed attempt
-            out["recovery"] = self.recover["in-process"].value + (1 - p) * restart
+            fallback = self.deadline_s.value + restart
+            out["recovery"] = self.recover["in-process"].value + (1 - p) * fallback
         return out
 
     def project(self, policy: str) -> dict[str, float]:
@@ -106,8 +116,13 @@ def build(report: Report | None, args) -> Model:
     }  # fmt: skip
     detect = {k: _median([f.detect_s for f in fails if f.kind == k]) for k in KINDS}
     redo = _median([f.recomputed_steps() for f in fails])
-    mix = dict(args.mix)
+    mix = dict(args.mix or DEFAULT_MIX)
     total = sum(mix.values())
+    if args.recomputed is None and args.save_every is not None:
+        recomputed = Part((args.save_every + 1) / 2, "derived from --save-every: the step in "
+                          "progress and half the steps since the last save")  # fmt: skip
+    else:
+        recomputed = _part(redo, args.recomputed, 1.0, "the step in progress (a save a step)")
     return Model(
         gpus=args.gpus,
         rate_per_h=rate_per_hour(args.gpus, args.interruptions, args.days, args.at_gpus),
@@ -115,7 +130,7 @@ def build(report: Report | None, args) -> Model:
         save_every=_part(None, args.save_every, 1, "a save every step"),
         stall_s=_part(report.stall_per_save_s if report else None, args.stall_s, 0.0,
                       "no stall: give --stall-s or event logs"),  # fmt: skip
-        recomputed=_part(redo, args.recomputed, 1.0, "the step in progress"),
+        recomputed=recomputed,
         detect={
             "exit": _part(detect["exit"], args.detect_exit_s, 0.1, "the launcher's poll"),
             "hang": _part(detect["hang"], args.hang_timeout_s, 30.0, "a 30 s hang timeout"),
@@ -131,6 +146,13 @@ def build(report: Report | None, args) -> Model:
         mix={k: v / total for k, v in mix.items()},
         in_place=_part(None, args.in_place, 0.22,
                        "Llama 3 blames about 78% of its interruptions on hardware"),
+        deadline_s=_part(None, args.recovery_deadline_s, 30.0,
+                         "FLASHCKPT_RECOVERY_DEADLINE's default"),
+        node_extra_s=_part(None, args.node_extra_s, 120.0, "an assumption: a spare node in a "
+                           "minute and its state from a shared tier in another; give "
+                           "--node-extra-s"),
+        mix_source="given" if args.mix else "default: an assumption, no published split of "
+                   "interruptions into these kinds; give --mix from your incident log",
     )  # fmt: skip
 
 
@@ -151,7 +173,11 @@ def render(m: Model) -> str:
         lines.append(f"  recover, {p}: {m.recover[p].value:.2f}s ({m.recover[p].source})")
     lines.append(f"  recomputed: {m.recomputed.value:g} step(s) a failure ({m.recomputed.source})")
     lines.append(f"  in-process takes {100 * m.in_place.value:.0f}% of exits and hangs where they "
-                 f"are ({m.in_place.source}); lost nodes and the rest restart")  # fmt: skip
+                 f"are ({m.in_place.source}); the rest wait up to the recovery deadline, "
+                 f"{m.deadline_s.value:g}s ({m.deadline_s.source}), then restart")  # fmt: skip
+    lines.append(f"  a lost node also waits for a spare and restores from a shared tier: "
+                 f"{m.node_extra_s.value:g}s ({m.node_extra_s.source})")  # fmt: skip
+    lines.append(f"  the mix of kinds: {m.mix_source}")
     got = {p: m.project(p) for p in POLICIES}
     lines.append(f"{'lost to':<16}{'restart':>12}{'in-process':>12}")
     for where in ("save stall", "detection", "recovery", "recomputed"):
@@ -170,7 +196,8 @@ def to_dict(m: Model) -> dict:
             "stall_per_save_s": m.stall_s.__dict__, "recomputed_steps": m.recomputed.__dict__,
             "detect_s": {k: v.__dict__ for k, v in m.detect.items()},
             "recover_s": {k: v.__dict__ for k, v in m.recover.items()},
-            "mix": m.mix, "in_place": m.in_place.__dict__,
+            "mix": m.mix, "mix_source": m.mix_source, "in_place": m.in_place.__dict__,
+            "recovery_deadline_s": m.deadline_s.__dict__, "node_extra_s": m.node_extra_s.__dict__,
         },
         "projection": {p: m.project(p) for p in POLICIES}, "target": TARGET,
     }  # fmt: skip
