@@ -26,6 +26,7 @@ import datetime
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -113,14 +114,19 @@ class LoopbackStore:
     def __init__(self, timeout: float = 30.0):
         import torch.distributed as dist
 
-        self._listener = _loopback_listener()
-        self.port = self._listener.getsockname()[1]
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True,
-                                   wait_for_workers=False, master_listen_fd=self._listener.fileno(),
-                                   timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+        listener = _loopback_listener()
+        self.port = listener.getsockname()[1]
+        # The store takes the descriptor over and closes it when it goes: it gets a copy of
+        # its own, never one this process closes too (a second close would hit whatever file
+        # reused the number meanwhile).
+        fd = os.dup(listener.fileno())
+        listener.close()
+        self.store: Any = dist.TCPStore("127.0.0.1", self.port, is_master=True,
+                                        wait_for_workers=False, master_listen_fd=fd,
+                                        timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
 
     def close(self) -> None:
-        self._listener.close()
+        self.store = None  # the server stops with its last reference
 
 
 class StoreGate:
