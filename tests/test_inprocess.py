@@ -127,6 +127,24 @@ def test_a_hung_rank_is_killed_replaced_and_the_ranks_waiting_on_it_recover(tmp_
 
 
 @pytest.mark.slow
+def test_with_equal_hang_floors_on_every_node_one_rank_is_replaced_the_stopped_one(
+    tmp_path, reference
+):
+    """Every node's ranks go silent together (node 1's blocked in a collective with the
+    stopped rank 1 of node 0): the nodes agree on one culprit, the stopped one, and node 1
+    replaces nobody."""
+    run = run_job(tmp_path, "ip-equal", trainer=TRAINER,
+                  **env(FT_FAULTS="stop:1:10", FLASHCKPT_HANG_FLOOR="3"))  # fmt: skip
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    hangs = events(run, "hang_detected")
+    assert [(e["rank"], e["process_state"]) for e in hangs] == [(1, "T")], hangs
+    assert [e["rank"] for e in events(run, "replacement_started")] == [1]
+    before, after = first_pid(run), last_pid(run)
+    assert {r for r in range(WORLD) if before[r] == after[r]} == {0, 2, 3}, (before, after)
+
+
+@pytest.mark.slow
 def test_an_exception_in_one_rank_reruns_training_in_every_process(tmp_path, reference):
     run = run_job(tmp_path, "ip-raise", trainer=TRAINER, **env(FT_FAULTS="raise:2:8"))
     assert run.codes == [0, 0], explain(run)
@@ -139,8 +157,19 @@ def test_an_exception_in_one_rank_reruns_training_in_every_process(tmp_path, ref
 
 
 @pytest.mark.slow
-def test_a_second_fault_during_recovery_falls_back_to_restarting_every_worker(tmp_path, reference):
-    """The replacement dies before its round forms: the launcher restarts every worker."""
+def test_with_no_standby_left_a_fault_falls_back_to_restarting_every_worker(tmp_path, reference):
+    run = run_job(tmp_path, "ip-none", trainer=TRAINER,
+                  **env(FT_FAULTS="kill:1:12", FLASHCKPT_STANDBY="0"))  # fmt: skip
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    fallback = events(run, "inprocess_fallback")
+    assert fallback and "no standby" in fallback[0]["reason"], fallback
+
+
+@pytest.mark.slow
+def test_a_second_fault_during_recovery_takes_the_next_standby(tmp_path, reference):
+    """The replacement dies before its round forms: the next standby takes the rank, the
+    round moves on, and every other worker keeps its process."""
     cluster = Cluster(tmp_path, "ip-second", trainer=TRAINER, **env(FT_FAULTS="kill:1:12"))
     try:
         for node in range(NODES):
@@ -155,8 +184,9 @@ def test_a_second_fault_during_recovery_falls_back_to_restarting_every_worker(tm
     run = cluster.finish()
     assert run.codes == [0, 0], explain(run)
     assert run.digest == reference
-    fallback = events(run, "inprocess_fallback")
-    assert fallback and "during recovery" in fallback[0]["reason"], fallback
+    assert not events(run, "inprocess_fallback")
+    assert [e["rank"] for e in events(run, "replacement_started")] == [1, 1]
+    assert events(run, "inprocess_recovered")
 
 
 @pytest.mark.slow

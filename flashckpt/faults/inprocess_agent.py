@@ -226,14 +226,13 @@ class Supervisor:
         failed = {lr: s for lr, s in statuses.items() if s not in (None, 0)}
         if any(s == EXIT_GAVE_UP for s in failed.values()):
             return self._fall_back("a worker's round did not form in time", original)
-        if failed and self.recovery is not None:
-            ranks = sorted(self.members[lr].rank for lr in failed)
-            return self._fall_back(f"a second fault during recovery (rank {ranks} exited before "
-                                   f"round {self.recovery.round} formed)", original)  # fmt: skip
         for lr, status in failed.items():  # those found together: one recovery
+            # A fault while a round forms (a replacement, or a rank that arrived, died) is
+            # one more rank to replace: the round moves on and every rank follows it.
             if not self._replace(self.members[lr], status):
-                return self._fall_back(f"no standby was ready for rank {self.members[lr].rank}",
-                                       original)  # fmt: skip
+                during = " during recovery" if self.recovery is not None else ""
+                return self._fall_back(f"no standby was ready for rank {self.members[lr].rank}"
+                                       f"{during}", original)  # fmt: skip
         if self.recovery is not None and time.monotonic() - self.recovery.began > self.deadline + 5:
             return self._fall_back(f"round {self.recovery.round} did not form within "
                                    f"{self.deadline:.0f}s", original)  # fmt: skip
@@ -336,6 +335,20 @@ class RecoveringAgent(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         self.supervisor.close()
         super()._shutdown(*args, **kwargs)
+
+
+def round_prefix() -> str | None:
+    """The store's key prefix of the current round of this launcher's worker group (None
+    before its workers started)."""
+    supervisor = getattr(RecoveringAgent, "supervisor", None)
+    relay = supervisor.relay if supervisor is not None else None
+    if relay is None:
+        return None
+    try:
+        round = int(relay.path.read_text() or "0")
+    except (OSError, ValueError):
+        return None
+    return f"flashckpt/{relay.ns}/round-{round}"
 
 
 def install(events: EventLog, store_address: str, deadline: float, standbys: int) -> None:

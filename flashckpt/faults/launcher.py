@@ -66,11 +66,14 @@ class NodeWatch(threading.Thread):
     a hung worker (its stacks logged first)."""
 
     def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
-                 interval: float = 0.25, one_at_a_time: bool = False):  # fmt: skip
+                 interval: float = 0.25, one_at_a_time: bool = False,
+                 culprits: Any = None):  # fmt: skip
         """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
         the likely culprit is killed (see ``_culprit``); the others, blocked in a collective
         with it, are not judged again before its replacement has started (at most the
-        start-up budget) and had the hang floor to join them."""
+        start-up budget) and had the hang floor to join them. ``culprits`` (a
+        ``culprit.JobCulprit``): the culprit is the job's, agreed with the other nodes, and
+        this node kills it only if it runs it."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
@@ -80,6 +83,7 @@ class NodeWatch(threading.Thread):
         self._startup = policy.startup
         self._replacing: tuple[Hang, float] | None = None  # the culprit killed, and when
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
+        self.culprits = culprits
         self._halt = self.halted = threading.Event()
 
     def stop(self) -> None:
@@ -115,11 +119,14 @@ class NodeWatch(threading.Thread):
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         silences = self.watchdog.silences(workers)
         hangs = [h for h in silences if h.silent_s > h.timeout_s]
-        if self.one_at_a_time and hangs:
+        if self.one_at_a_time and (hangs or self.culprits is not None):
             if self._awaiting_replacement() or time.monotonic() < self._quiet_until:
                 hangs = []
+            elif self.culprits is not None:
+                hangs = self._jobs_culprit(silences, hangs)
             else:
                 hangs = [self._culprit(silences)]
+            if hangs:
                 self._replacing = hangs[0], time.monotonic()
                 self._quiet_until = time.monotonic() + self.floor
         states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
@@ -157,6 +164,31 @@ class NodeWatch(threading.Thread):
             self._replacing = None
             return False
         return True
+
+    def _jobs_culprit(self, silences: list[Hang], hangs: list[Hang]) -> list[Hang]:
+        """The job's culprit, if it runs here (see ``culprit``); [] while the nodes agree, or
+        when it runs elsewhere."""
+        from .culprit import Suspect
+
+        mine = None
+        if hangs:
+            h = self._culprit(silences)
+            mine = Suspect(self.culprits.node, h.rank, h.pid,
+                           parent_and_state(h.pid)[1] == "T", h.silent_s)  # fmt: skip
+        try:
+            decided = self.culprits.decide(mine)
+        except Exception as exc:  # the store out of reach: judge alone, as without it
+            log.warning("the job's culprit cannot be agreed on (%s): judging this node alone",
+                        exc)  # fmt: skip
+            decided = mine
+        if decided is None:
+            return []
+        if decided.node != self.culprits.node:
+            # Ranks here were blocked with it: they recover once its replacement joins. Not
+            # judged again before they have had the hang floor to (as on its own node).
+            self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
+            return []
+        return [h for h in silences if (h.rank, h.pid) == (decided.rank, decided.pid)]
 
     @staticmethod
     def _culprit(silences: list[Hang]) -> Hang:
@@ -330,8 +362,15 @@ def main(argv: list[str] | None = None) -> None:
     log.info("job %s; event log %s", job, events.path)
     events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
                   hang_policy=policy.__dict__)  # fmt: skip
+    culprits = None
+    if restart_policy == "in-process":
+        from .culprit import JobCulprit
+        from .inprocess import STORE_ENV
+        from .inprocess_agent import round_prefix
+
+        culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
     watch = NodeWatch(shm_dir, job, events, policy,
-                      one_at_a_time=restart_policy == "in-process")  # fmt: skip
+                      one_at_a_time=restart_policy == "in-process", culprits=culprits)  # fmt: skip
     watch.start()
     keeper = AgentKeeper(job, run_dir, shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
