@@ -279,7 +279,8 @@ def held_steps(root: Path, job: str) -> dict[int, set[int]]:
 @pytest.mark.slow
 def test_node_tiers_of_a_multi_node_job_keep_only_keep_last_steps(tmp_path):
     """Two nodes, each with its own NVMe directory and the shared PFS, both ``keep_last=2``:
-    after 30 steps every tier holds the last two, each node's NVMe its own two ranks of them."""
+    after 30 steps every tier holds two steps, the last one (29) and the one committed before
+    it (a lagging tier skips steps, so not always 28), each node's NVMe its own two ranks."""
     pfs = tmp_path / "keep-pfs"
     env = tuple({"FT_TIERS": f"file://{tmp_path / f'keep-nvme{n}'}?keep_last=2,"
                              f"pfs://{pfs}?keep_last=2"} for n in range(NODES))  # fmt: skip
@@ -298,8 +299,11 @@ def test_node_tiers_of_a_multi_node_job_keep_only_keep_last_steps(tmp_path):
         raise
     run = cluster.finish()
     assert run.codes == [0, 0], explain(run)
-    assert held_steps(pfs, cluster.job) == {28: {0, 1, 2, 3}, 29: {0, 1, 2, 3}}
+    shared = held_steps(pfs, cluster.job)
+    assert len(shared) == 2 and max(shared) == 29, shared
+    assert all(ranks == {0, 1, 2, 3} for ranks in shared.values()), shared
     for node in range(NODES):
         ours = {node * PER_NODE + r for r in range(PER_NODE)}
         nvme = held_steps(tmp_path / f"keep-nvme{node}", cluster.job)
-        assert nvme == {28: ours, 29: ours}, (node, nvme)
+        assert len(nvme) == 2 and max(nvme) == 29, (node, nvme)  # not all 30
+        assert all(ranks == ours for ranks in nvme.values()), (node, nvme)
