@@ -105,6 +105,7 @@ class Checkpointer:
         self._save_stall = 0.0  # seconds save() blocked, over all saves
         self._saves = 0
         self._restored_from: str | None = None
+        self._stepping_again = False  # a step was restored: the next save() says it trains again
 
     # ---- public API ------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> None:
@@ -112,6 +113,10 @@ class Checkpointer:
         caller (CPU tensors) or once the device copies are queued (CUDA, overlapped mode)."""
         config.check_step(step)
         began = time.perf_counter()
+        if self._stepping_again:  # the first step after a restore is done: training again
+            self._stepping_again = False
+            if self._events is not None:
+                self._events.record("stepped", rank=self.rank, step=step)
         with self._lock:
             self._check_open()
             keys, replicas = self._replicas(state)
@@ -234,6 +239,7 @@ class Checkpointer:
             if self._events is not None:
                 self._events.record("restored", rank=self.rank, step=restored,
                                     seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
+            self._stepping_again = restored is not None
             # Ready the slots off the training step, the one the first save() goes to first.
             self._prep.the_rest_in_background(capacity, self._device_of(leaves))
         if restored is None and step is not None:

@@ -19,6 +19,23 @@ def closed(t: float, rank: int) -> tuple:
     return (t, "closed", {"rank": rank, "save_stall_s": 0.5, "step_s": 0.1})
 
 
+def test_training_again_is_every_ranks_first_step_after_the_restore():
+    """Resume ends when the last rank has finished its first step after the restore (its
+    first save), not when its restore returned: a slow first step counts."""
+    events = timeline(
+        (0, "launcher_started", {}),
+        (10.0, "restored", {"rank": 0, "step": None, "seconds": 0.01}),
+        (20.20, "worker_exited", {"rank": 1, "worker_pid": 41, "step": 100, "silent_s": 0.2}),
+        (26.0, "restored", {"rank": 0, "step": 100, "seconds": 0.1}),
+        (26.1, "restored", {"rank": 1, "step": 100, "seconds": 0.1}),
+        (26.9, "stepped", {"rank": 1, "step": 101}),
+        (27.3, "stepped", {"rank": 0, "step": 101}),
+        (60.0, "launcher_exited", {}),
+    )  # fmt: skip
+    (f,) = summarize(events).failures
+    assert f.resume_s == pytest.approx(27.3 - 20.2)
+
+
 def test_a_killed_rank_recovered_in_process_is_split_into_its_parts():
     events = timeline(
         (0, "launcher_started", {}),

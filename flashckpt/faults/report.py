@@ -8,7 +8,8 @@ training function raised. Its parts:
 
 - detect: from the failing rank's last heartbeat to the first reaction to it (the watchdog's
   verdict, the launcher seeing the exit, a peer's collective failing); 0 for an exception;
-- resume: from there until every rank has restored and trains again. After a full restart it
+- resume: from there until every rank has restored and finished its first step after the
+  restore (its first ``save()``; the restore's end where no save followed). After a full restart it
   splits into restart (to the first restore starting) and restore (the slowest rank's); after
   an in-process recovery into abort (the slowest rank tearing its process group down),
   rendezvous (the slowest rank waiting for the next round to form), replacement (a standby
@@ -38,6 +39,7 @@ class Failure:
     restore_s: float | None = None
     restored_step: int | None = None
     resumed_at: float | None = None  # the last rank's restore done
+    stepped_at: float | None = None  # the last rank's first step after it done
     abort_s: float | None = None
     rendezvous_s: float | None = None
     replacement_s: float | None = None
@@ -50,7 +52,8 @@ class Failure:
 
     @property
     def resume_s(self) -> float | None:
-        return None if self.resumed_at is None else max(0.0, self.resumed_at - self.at)
+        end = self.stepped_at if self.stepped_at is not None else self.resumed_at
+        return None if end is None else max(0.0, end - self.at)
 
     def add_step(self, step: int | None) -> None:
         if step is not None:
@@ -204,6 +207,11 @@ class _Reader:
         f.restore_s = max(f.restore_s or 0.0, took)
         f.restored_step = _int(e.get("step"))
         f.resumed_at = max(f.resumed_at or t, t)
+
+    def on_stepped(self, e: dict, t: float) -> None:
+        f = self.report.failures[-1] if self.report.failures else None
+        if f is not None and f.resumed_at is not None and t >= f.resumed_at - 1e-3:
+            f.stepped_at = max(f.stepped_at or t, t)
 
     def on_closed(self, e: dict, t: float) -> None:
         rank = e.get("rank")
