@@ -77,8 +77,9 @@ def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, di
         cmd = [str(BIN / launcher), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=30",
                "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        with open(tmp / f"{job}-node{node}.log", "w") as out:  # kept when a run fails
+            procs.append(subprocess.Popen(cmd, env=full, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
         if node == 0:
             time.sleep(1.0)  # node 0 hosts the rendezvous store
     began, codes = time.monotonic(), []
@@ -188,13 +189,11 @@ def main() -> None:
             return effective(args, tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        rows = {(policy, case): [measure(policy, case, tmp, args.hang_floor)
-                                 for _ in range(args.rounds)]
-                for case in cases for policy in ("in-process", "restart")}  # fmt: skip
-        baseline = torchrun_kill(tmp, args.baseline_timeout)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    rows = {(policy, case): [measure(policy, case, tmp, args.hang_floor)
+                             for _ in range(args.rounds)]
+            for case in cases for policy in ("in-process", "restart")}  # fmt: skip
+    baseline = torchrun_kill(tmp, args.baseline_timeout)
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed run exits above, its logs kept
     print(f"fault -> every rank training again, 2 nodes x 2 gloo ranks, median of "
           f"{args.rounds} (seconds; hang floor {args.hang_floor:g}s)")  # fmt: skip
     cols = ("again", "detect", "abort", "rendezvous", "replacement", "restart", "restore")
