@@ -55,6 +55,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose next one is free too (the controller's and the recovery store's)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),
               **env: str) -> tuple[list[int], float, list[Path]]:  # fmt: skip
     """Run the job on two simulated nodes; (exit codes, seconds, the nodes' event logs)."""
@@ -63,7 +75,7 @@ def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, di
     marks = tmp / f"{job}-marks"
     marks.mkdir()
     common = {"FLASHCKPT_CONTROLLER_TOKEN": uuid.uuid4().hex,
-              "FLASHCKPT_CONTROLLER": f"127.0.0.1:{free_port()}",
+              "FLASHCKPT_CONTROLLER": f"127.0.0.1:{free_port_pair()}",
               "FT_MARKS": str(marks),
               "FT_DIGEST": str(tmp / f"{job}.digest"), "FT_STEPS": str(STEPS),
               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip

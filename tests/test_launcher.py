@@ -40,6 +40,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose next one is free too: the controller's, and the recovery store's
+    beside it (port + 1, as every node derives it)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 @dataclass
 class Run:
     codes: list[int]
@@ -67,7 +80,7 @@ class Cluster:
         self.tmp, self.name, self.trainer = tmp, name, trainer
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
-        self.controller = f"127.0.0.1:{free_port()}"
+        self.controller = f"127.0.0.1:{free_port_pair()}"
         self.marks = tmp / f"{name}-marks"
         self.marks.mkdir()
         self.env, self.node_env = env, node_env

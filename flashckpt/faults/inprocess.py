@@ -13,9 +13,12 @@ process with ``EXIT_GAVE_UP``, and the launcher falls back to restarting every w
 
 Gloo's collectives fail within milliseconds when a peer's connections close. NCCL's do not:
 a collective blocked on a dead peer waits out its timeout. Under every backend but gloo each
-rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts its own
-process group as soon as the round has moved on (a rank left it, or the launcher handed out a
-replacement), which releases it.
+rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts every process
+group of its process as soon as the round has moved on (a rank left it, or the launcher
+handed out a replacement), which releases it. The watch learns of it from the node's round
+file, which the launcher keeps up to date (``inprocess_agent.RoundRelay``): the ranks put no
+load on the store while they train. Recoveries are bounded by a budget (``Budget``), past
+which the job falls back to TorchElastic's restarts.
 
 Under plain torchrun, or ``flashckpt-run`` without ``FLASHCKPT_RESTART_POLICY=in-process``,
 it is ``init_process_group()``, ``train()``, ``destroy_process_group()``.
@@ -50,7 +53,9 @@ NAMESPACE_ENV = "FLASHCKPT_RECOVERY_NAMESPACE"  # keys of this incarnation of th
 ROUND_ENV = "FLASHCKPT_RECOVERY_ROUND"  # the round a replacement joins
 ROUND_FILE_ENV = "FLASHCKPT_RECOVERY_ROUND_FILE"  # the node's relay of the job's round
 DEFAULT_DEADLINE = 30.0  # seconds for a round to form (FLASHCKPT_RECOVERY_DEADLINE)
-COLLECTIVE_TIMEOUT = 1800.0  # a round's collectives: torch's own default
+# A round's collectives: 30 minutes (torch's default for gloo; NCCL's is 10). A collective
+# blocked on a lost peer is released by the round watch long before.
+COLLECTIVE_TIMEOUT = 1800.0
 
 _PEER_GONE = ("connection", "closed", "reset by peer", "broken pipe", "gloo", "nccl", "aborted",
               "timed out", "timeout", "socket", "end of file", "transport")  # fmt: skip

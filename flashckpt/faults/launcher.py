@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
         os.close(claim)
         if recovery_store is not None:
             recovery_store.close()
+            from .inprocess import ROUND_FILE_ENV
+
+            Path(os.environ[ROUND_FILE_ENV]).unlink(missing_ok=True)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 
