@@ -32,12 +32,24 @@ def test_every_node_acts_on_one_culprit_a_stopped_rank_first():
         blocked = Suspect("node1", 3, 300, stopped=False, silent_s=3.3)  # waits on the hung one
         hung = Suspect("node0", 1, 100, stopped=True, silent_s=3.1)
         assert n1.decide(blocked) is None  # posted; the others may be about to post
-        assert n0.decide(hung) is None
-        time.sleep(0.25)
-        assert n1.decide(blocked) == hung  # node 1 decides, for node 0's rank
-        assert n0.decide(hung) == hung and n0.decide(None) == hung  # recorded: the same
+        assert n0.decide(hung) == hung  # a stopped process is the cause: recorded at once
+        assert n1.decide(blocked) == hung  # node 1 acts on it, before its own settle
+        assert n0.decide(None) == hung  # recorded: the same
         late = JobCulprit(n0._store, "node2", lambda: PREFIX, 0.0)
         assert late.decide(Suspect("node2", 5, 500, stopped=True, silent_s=9.0)) == hung
+    finally:
+        served.close()
+
+
+def test_running_suspects_settle_then_the_one_silent_longest_is_chosen():
+    served, (n0, n1), _ = nodes()
+    try:
+        waiting = Suspect("node0", 1, 100, stopped=False, silent_s=3.1)
+        longest = Suspect("node1", 3, 300, stopped=False, silent_s=3.4)
+        assert n0.decide(waiting) is None and n1.decide(longest) is None
+        assert n0.decide(waiting) is None  # within the settle: the others may still post
+        time.sleep(0.25)
+        assert n0.decide(waiting) == longest and n1.decide(None) == longest
     finally:
         served.close()
 

@@ -9,7 +9,9 @@ nodes agree, through the job's recovery store, on one culprit per round:
   first, else the rank silent longest) as a suspect of the round;
 - once ``settle`` seconds have passed since its first post (the other nodes' ranks, blocked
   with the same hang, cross their timeouts within moments), it picks the job's culprit among
-  every suspect posted, by the same rule, and records it unless another node did first;
+  every suspect posted, by the same rule, and records it unless another node did first; a
+  stopped process is recorded at once (it is the cause, whatever the others post: only another
+  stopped one could rank with it, and then either is right);
 - every node acts on the recorded culprit alone: the node that runs it kills it (its
   replacement then moves the job to the next round), the others wait.
 """
@@ -88,13 +90,17 @@ class JobCulprit:
             n = self.store.add(f"{prefix}/suspects", 1)
             self.store.set(f"{prefix}/suspect-{n}", json.dumps(asdict(mine)))
             self._posted[prefix] = now
+            if not mine.stopped:
+                return None
+        elif now - self._posted[prefix] < self.settle and not mine.stopped:
             return None
-        if now - self._posted[prefix] < self.settle:
-            return None
-        count = int(self.store.add(f"{prefix}/suspects", 0))
-        posted = [Suspect(**json.loads(self.store.get(f"{prefix}/suspect-{n}")))
-                  for n in range(1, count + 1)]  # fmt: skip
-        choice = min(posted, key=Suspect.key)
+        if mine.stopped:
+            posted, choice = [mine], mine
+        else:
+            count = int(self.store.add(f"{prefix}/suspects", 0))
+            posted = [Suspect(**json.loads(self.store.get(f"{prefix}/suspect-{n}")))
+                      for n in range(1, count + 1)]  # fmt: skip
+            choice = min(posted, key=Suspect.key)
         found = self.store.compare_set(culprit, "", json.dumps(asdict(choice)))
         decided = Suspect(**json.loads(found))
         log.info("the job's culprit for this hang: rank %d on node %s (%s, silent %.1fs), of "

@@ -260,6 +260,17 @@ def read(path: Path) -> Beat | None:
 _live: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
 
+def recovering(budget_s: float) -> None:
+    """Every live heartbeat of this process waits, for at most ``budget_s``, for a round of
+    in-process recovery to form: a survivor of a fault waits there for the lost rank's
+    replacement, and is not judged hung meanwhile (its next restore or step ends the wait)."""
+    for hb in list(_live):
+        with hb._lock:
+            hb._last_progress = None  # the wait is no step interval
+        if not hb._mm.closed:
+            hb.phase(Phase.WAIT, budget_s=budget_s)
+
+
 def last_step() -> int | None:
     """The newest step a live heartbeat of this process carries (None before any)."""
     steps = [hb._step for hb in list(_live) if hb._step >= 0]

@@ -392,6 +392,7 @@ class Rounds:
                     self.round, fault.message)  # fmt: skip
         self._record("inprocess_fault", own=fault.own, step=heartbeat.last_step(),
                      error=fault.message[:300])  # fmt: skip
+        heartbeat.recovering(self.deadline)
         return fault
 
     def leave(self, finished: bool) -> None:

@@ -84,6 +84,7 @@ class NodeWatch(threading.Thread):
         self._replacing: tuple[Hang, float] | None = None  # the culprit killed, and when
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
         self.culprits = culprits
+        self._round_seen: str | None = None  # the round prefix of the last poll
         self._halt = self.halted = threading.Event()
 
     def stop(self) -> None:
@@ -119,7 +120,12 @@ class NodeWatch(threading.Thread):
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         silences = self.watchdog.silences(workers)
         hangs = [h for h in silences if h.silent_s > h.timeout_s]
-        if self.one_at_a_time and (hangs or self.culprits is not None):
+        # The store is asked only while a rank here is silent past half its timeout: blocked
+        # with a culprit elsewhere, or about to be judged (a quiet node costs the store nothing).
+        suspect = any(h.silent_s > h.timeout_s / 2 for h in silences)
+        if self.culprits is not None:
+            self._note_round()
+        if self.one_at_a_time and (hangs or (self.culprits is not None and suspect)):
             if self._awaiting_replacement() or time.monotonic() < self._quiet_until:
                 hangs = []
             elif self.culprits is not None:
@@ -148,6 +154,18 @@ class NodeWatch(threading.Thread):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(hang.pid, signal.SIGKILL)  # a stopped process dies too
             self.events.record("killed", rank=hang.rank, worker_pid=hang.pid, signal="SIGKILL")
+
+    def _note_round(self) -> None:
+        """A move of the job to a new round means a fault was handled meanwhile (a culprit
+        killed on another node, a crash): ranks here silent with it get the floor to join."""
+        try:
+            prefix = self.culprits.where()
+        except Exception:
+            return
+        if prefix != self._round_seen:
+            if self._round_seen is not None:
+                self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
+            self._round_seen = prefix
 
     def _awaiting_replacement(self) -> bool:
         """Whether the rank last killed as a culprit has no new process yet: the ranks
@@ -369,8 +387,11 @@ def main(argv: list[str] | None = None) -> None:
         from .inprocess_agent import round_prefix
 
         culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
-    watch = NodeWatch(shm_dir, job, events, policy,
-                      one_at_a_time=restart_policy == "in-process", culprits=culprits)  # fmt: skip
+    # Under in-process recovery a hang costs its detection plus a replacement's second: the
+    # pages (a few per node) are read ten times a second.
+    inplace = restart_policy == "in-process"
+    watch = NodeWatch(shm_dir, job, events, policy, interval=0.1 if inplace else 0.25,
+                      one_at_a_time=inplace, culprits=culprits)  # fmt: skip
     watch.start()
     keeper = AgentKeeper(job, run_dir, shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
