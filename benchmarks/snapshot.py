@@ -5,6 +5,7 @@
     python benchmarks/snapshot.py --device cuda --integrations  # + FSDP2, Accelerate, DeepSpeed
     python benchmarks/snapshot.py --case fsdp2    # 2 gloo ranks, FSDP2 shards (~250 MB a rank)
     python benchmarks/snapshot.py --case deepspeed  # 2 gloo ranks, ZeRO-2 save_checkpoint()
+    python benchmarks/snapshot.py --case many-tensors  # 16 to 16,000 tensors: snapshot_many.py
 
 Every method copies the same bytes; rounds are interleaved and medians reported, so the
 ratios hold on a shared, noisy machine. The last line gives the ratios the targets speak of.
@@ -208,7 +209,12 @@ def cpu(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-PARAMS_M = {"single": 100, "fsdp2": 40, "deepspeed": 25}  # ~250 MB a rank for the two-rank cases
+PARAMS_M = {
+    "single": 100,
+    "fsdp2": 40,
+    "deepspeed": 25,
+    "many-tensors": 0,
+}  # ~250 MB a rank for the two-rank cases
 
 
 def main() -> None:
@@ -229,10 +235,12 @@ def main() -> None:
     snapshot_cuda.arguments(p)
     p.add_argument("--dir", help="where the two-rank cases write files (default: a temp dir)")
     p.add_argument("--work-dir", help=argparse.SUPPRESS)  # set by the launch, for the ranks
+    p.add_argument("--sizes", default="16,4000,16000", help="many-tensors: tensors a state")
+    p.add_argument("--mib", type=float, default=250.0, help="many-tensors: MiB a state")
     args = p.parse_args()
     if args.params_m is None:
         args.params_m = PARAMS_M[args.case]
-    if args.case != "single":
+    if args.case not in ("single", "many-tensors"):
         if args.work_dir is None:  # not a rank yet: launch the ranks
             env = {"DS_ACCELERATOR": "cpu"} if args.case == "deepspeed" else {}
             sys.exit(launch(__file__, sys.argv[1:], args.dir, env))
@@ -245,7 +253,11 @@ def main() -> None:
     shm = f"/dev/shm/flashckpt-bench-{uuid.uuid4().hex[:8]}"
     os.environ.setdefault("FLASHCKPT_SHM_DIR", shm)
     try:
-        if args.device == "cuda":
+        if args.case == "many-tensors":
+            import snapshot_many
+
+            snapshot_many.main(args)
+        elif args.device == "cuda":
             args.layers = args.layers or snapshot_cuda.layers_for(args.gib)
             snapshot_cuda.main(args)
         else:

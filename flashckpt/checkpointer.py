@@ -19,14 +19,15 @@ from .faults.agent_client import AgentClient, socket_path
 from .faults.events import EventLog
 from .faults.heartbeat import Heartbeat, Phase
 from .format.lineage import Lineage
-from .format.manifest import DEFAULT_CHUNK_SIZE, Entry, Manifest
-from .format.slot import HEADER_SIZE, Slot, required_capacity
+from .format.manifest import DEFAULT_CHUNK_SIZE, Manifest, encode_entries
+from .format.slot import Slot, required_capacity
 from .restore.agreement import restore_agreed
 from .restore.sources import MemorySource, TierSource
 from .safe_paths import write_atomic
 from .snapshot import device
+from .snapshot.copy_plan import CopyPlans
 from .snapshot.device_copy import DeviceCopier, PendingCopy
-from .snapshot.flatten import Layout, Leaf, copy_into, flatten, plan_layout
+from .snapshot.flatten import Layout, Leaf, flatten, paused_gc, plan_layout
 from .snapshot.replicas import ReplicaFinder
 from .snapshot.sealer import Sealer
 from .snapshot.slot_prep import SlotPreparer
@@ -86,9 +87,12 @@ class Checkpointer:
         self._replicas = ReplicaFinder(replicated)
         self._pair = SlotPair(self.shm_dir, self.job, self.rank)
         self._layout: Layout | None = None
+        self._entries_json: tuple[Layout | None, str] = (None, "")  # of the layout saved last
+        self._first_device: tuple[Layout | None, int | None] = (None, None)  # ... its device leaf
         self._sealer = Sealer()
         self._rt = device.runtime()
         self._prep = SlotPreparer(self._pair, self._rt)
+        self._plans = CopyPlans(self._rt.is_device_tensor)  # the slots' views, per layout
         self._pending: Future | None = None  # a device snapshot still being copied
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
         # Made now: in overlapped mode it watches optimizer steps from the first one on.
@@ -120,8 +124,11 @@ class Checkpointer:
         with self._lock:
             self._check_open()
             keys, replicas = self._replicas(state)
-            tree, leaves = flatten(state, keys)
-            layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+            with paused_gc():
+                tree, leaves = flatten(state, keys)
+                layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+            if self._entries_json[0] is not layout:
+                self._entries_json = (layout, encode_entries(layout.entries))
             manifest = Manifest(
                 self.job, self.rank, step, tree, layout.entries, layout.data_len,
                 chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
@@ -129,7 +136,7 @@ class Checkpointer:
                 replicas=replicas if any(lf.replicated for lf in leaves) else None,
                 incarnation=self._incarnation,
             )  # fmt: skip
-            raw = manifest.to_json()
+            raw = manifest.to_json(self._entries_json[1])
             self._connect_agent()
             need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
             self._settle()
@@ -173,16 +180,12 @@ class Checkpointer:
         self._sealer.cancel(slot)
         try:
             slot.begin_write()
-            on_host, on_device = [], []
-            for e, lf in zip(layout.entries, leaves, strict=True):
-                pair = (_dst(slot, e, lf), lf.tensor, e.path)
-                (on_device if self._rt.is_device_tensor(lf.tensor) else on_host).append(pair)
+            plan = self._plans.plan(slot, layout, leaves)
             pending = None
-            if on_device:  # queued first: the host copies below run while they do
+            if plan.on_device:  # queued first: the host copies below run while they do
                 deferred = self._copier.deferrable(state.values())
-                pending = self._copier.copy(on_device, deferred)
-            for dst, src, _ in on_host:
-                copy_into(dst, src)
+                pending = self._copier.copy(plan.device_pairs(leaves), deferred)
+            plan.host_copy(leaves)
             if pending is not None and self.overlap:
                 self._pending = self._background.submit(
                     self._publish_after, pending, slot, manifest, raw
@@ -212,11 +215,14 @@ class Checkpointer:
         if allow_pickle is not None:
             config.check_flag("allow_pickle", allow_pickle)
         allow = self.allow_pickle if allow_pickle is None else allow_pickle
-        with self._lock, self._released_on_error():
+        with self._lock, self._released_on_error(), paused_gc():
             self._check_open()
             tree, leaves = flatten(state, self._replicas(state)[0])
             layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
-            raw = Manifest(self.job, self.rank, 0, tree, layout.entries, layout.data_len).to_json()
+            if self._entries_json[0] is not layout:
+                self._entries_json = (layout, encode_entries(layout.entries))
+            raw = Manifest(self.job, self.rank, 0, tree, layout.entries,
+                           layout.data_len).to_json(self._entries_json[1])  # fmt: skip
             capacity = required_capacity(layout.data_len, len(raw), layout.n_chunks) + max(
                 _MANIFEST_HEADROOM, len(raw)
             )
@@ -305,6 +311,7 @@ class Checkpointer:
                     marker = closed_marker_path(self.shm_dir, self.job, self.rank)
                     write_atomic(marker, f"{self._last_saved} {self.generation}".encode())
                 self._close_heartbeat()
+                self._plans.clear()  # its views into the slots go first
                 self._pair.close(remove=remove)
                 if self._agent is not None:
                     self._agent.close()
@@ -328,10 +335,13 @@ class Checkpointer:
 
     def _device_of(self, leaves: list[Leaf]) -> Any:
         """The device of the state's first device tensor, or None for a host state."""
-        for lf in leaves:
-            if self._rt.is_device_tensor(lf.tensor):
-                return self._rt.device_of(lf.tensor)
-        return None
+        layout = self._layout
+        if self._first_device[0] is not layout or layout is None:
+            first = next((i for i, lf in enumerate(leaves)
+                          if self._rt.is_device_tensor(lf.tensor)), None)  # fmt: skip
+            self._first_device = (layout, first)
+        first = self._first_device[1]
+        return None if first is None else self._rt.device_of(leaves[first].tensor)
 
     def _beat(self) -> Heartbeat | None:
         """This rank's heartbeat page, made on first use once the rank is claimed."""
@@ -510,10 +520,3 @@ class Checkpointer:
         return self._agent.wait_persisted(
             self.rank, self._last_saved, self.generation, self.close_timeout, **shape
         )
-
-
-def _dst(slot: Slot, entry: Entry, leaf: Leaf) -> torch.Tensor:
-    """The slot bytes of ``entry``, viewed with the leaf's dtype and shape."""
-    start = HEADER_SIZE + entry.offset
-    raw = slot.buf[start : start + entry.nbytes]
-    return raw.view(leaf.tensor.dtype).view(leaf.tensor.shape)

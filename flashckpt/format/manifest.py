@@ -119,7 +119,7 @@ class Manifest:
     def generation(self) -> int:
         return self.lineage.generation
 
-    @property
+    @functools.cached_property
     def n_chunks(self) -> int:
         return sum(e.n_chunks(self.chunk_size) for e in self.entries)
 
@@ -141,15 +141,21 @@ class Manifest:
         return replace(self, entries=entries)
 
     # ---- JSON ------------------------------------------------------------------------
-    def to_json(self) -> bytes:
+    def to_json(self, entries_json: str | None = None) -> bytes:
+        """The manifest as stored. ``entries_json``: ``encode_entries(self.entries)`` made
+        earlier (a save of an unchanged layout reuses it: at thousands of tensors encoding
+        the entries costs more than copying small ones)."""
         # Built by hand: dataclasses.asdict deep-copies the tree and costs milliseconds per
         # save for a real model's state; the tree is JSON-ready already.
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
-        doc["entries"] = [e.to_doc() for e in self.entries]
+        del doc["entries"]
         doc["lineage"] = self.lineage.to_doc()
         if self.replicas is None:
             del doc["replicas"]
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        if entries_json is None:
+            entries_json = encode_entries(self.entries)
+        return f'{head[:-1]},"entries":{entries_json}}}'.encode()
 
     @classmethod
     def from_json(
@@ -162,6 +168,11 @@ class Manifest:
         """
         doc = load_json(raw, source, "manifest")
         return _Checker(source).manifest(doc, require_checksums)
+
+
+def encode_entries(entries: tuple[Entry, ...]) -> str:
+    """The JSON of a manifest's entries (see ``Manifest.to_json``)."""
+    return json.dumps([e.to_doc() for e in entries], separators=(",", ":"), allow_nan=False)
 
 
 def load_json(raw: bytes | str, source: str, what: str) -> Any:

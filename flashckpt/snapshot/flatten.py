@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+import operator
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -44,7 +47,7 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """An array to store: its path, kind, the source tensor and DTensor shard info."""
 
@@ -94,8 +97,24 @@ def tensor_source(t: torch.Tensor, path: str) -> tuple[torch.Tensor, ShardInfo |
     return t.detach(), shard
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: the common leaves, checked first
+_SCALARS = (type(None), bool, int, str)  # exact types whose encoding is the value itself
+
+
+def _plain_leaf(t: torch.Tensor, path: str) -> torch.Tensor:
+    """The tensor to copy for a plain (non-DTensor) tensor leaf, checked as tensor_source does."""
+    if t.layout != torch.strided or t.is_quantized or t.is_meta:
+        return tensor_source(t, path)[0]  # raises, naming what is wrong
+    return t.detach() if t.requires_grad else t
+
+
 class Flattener:
-    """Walks a state once, producing the manifest tree and the leaves to copy."""
+    """Walks a state once, producing the manifest tree and the leaves to copy.
+
+    The walk runs on every save, over every tensor of the state (thousands on a real rank),
+    so the common cases go first: plain tensors and the exact built-in containers are
+    dispatched on their type before any ABC check, and a dict whose values are all plain
+    tensors (a module's ``state_dict()``) is done in one tight loop."""
 
     def __init__(self) -> None:
         self.leaves: list[Leaf] = []
@@ -107,25 +126,23 @@ class Flattener:
         return {"t": kind, "i": len(self.leaves) - 1}
 
     def node(self, value: Any, path: str, depth: int = 0) -> Any:
+        cls = type(value)
+        if cls in _PLAIN:
+            return self._leaf("tensor", path, _plain_leaf(value, path))
+        if cls in _SCALARS:
+            return value
+        if cls is dict:
+            return self._mapping(value, path, depth)
         container = isinstance(value, (Mapping, list, tuple)) or is_stateful(value)
         if container and depth >= MAX_TREE_DEPTH:  # a restore would refuse it: fail now
-            raise TypeError(
-                f"{path}: the state nests containers deeper than {MAX_TREE_DEPTH} levels, "
-                "which no snapshot may hold; flatten that part of the state"
-            )
+            _too_deep(path)
         if isinstance(value, torch.Tensor):
             source, shard = tensor_source(value, path)
             return self._leaf("tensor", path, source, shard)
         if isinstance(value, np.ndarray) and value.dtype.hasobject is False:
             return self._leaf("ndarray", path, torch.from_numpy(np.ascontiguousarray(value)))
         if isinstance(value, Mapping):
-            return {
-                "t": "dict",
-                "items": [
-                    [self.key(k, path), self.node(v, join(path, k), depth + 1)]
-                    for k, v in value.items()
-                ],
-            }
+            return self._mapping(value, path, depth)
         if isinstance(value, list):
             return {
                 "t": "list",
@@ -144,6 +161,29 @@ class Flattener:
             blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             return self._leaf("pickle", path, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
 
+    def _mapping(self, value: Mapping, path: str, depth: int) -> dict:
+        if depth >= MAX_TREE_DEPTH:
+            _too_deep(path)
+        keys = list(value)
+        values = list(value.values())
+        if set(map(type, values)) <= _PLAIN_SET and set(map(type, keys)) <= _KEY_SET:
+            # All plain tensors under str or int keys: no recursion, no per-value dispatch.
+            leaves, first = self.leaves, len(self.leaves)
+            prefix = f"{path}/" if path else ""
+            items = []
+            for n, (k, t) in enumerate(zip(keys, values, strict=True)):
+                at = f"{prefix}{k}"
+                leaves.append(Leaf(at, "tensor", _plain_leaf(t, at)))
+                items.append([k, {"t": "tensor", "i": first + n}])
+            return {"t": "dict", "items": items}
+        return {
+            "t": "dict",
+            "items": [
+                [self.key(k, path), self.node(v, join(path, k), depth + 1)]
+                for k, v in zip(keys, values, strict=True)
+            ],  # fmt: skip
+        }
+
     def key(self, key: Any, path: str) -> Any:
         if type(key) is tuple:
             return {"t": "tuple", "items": [self.key(k, path) for k in key]}
@@ -155,6 +195,17 @@ class Flattener:
             ) from None
 
 
+def _too_deep(path: str) -> None:
+    raise TypeError(
+        f"{path}: the state nests containers deeper than {MAX_TREE_DEPTH} levels, "
+        "which no snapshot may hold; flatten that part of the state"
+    )
+
+
+_PLAIN_SET = frozenset(_PLAIN)
+_KEY_SET = frozenset((str, int))
+
+
 def flatten(
     state: Mapping[str, Any], replicated: frozenset[str] = frozenset()
 ) -> tuple[Any, list[Leaf]]:
@@ -162,15 +213,30 @@ def flatten(
     in ``replicated`` are marked as the same on every rank of the replica group."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
-    f = Flattener()
-    items = []
-    for key, value in state.items():
-        first = len(f.leaves)
-        items.append([f.key(key, ""), f.node(value, join("", key), 1)])
-        if key in replicated:
-            for leaf in f.leaves[first:]:
-                leaf.replicated = leaf.kind == "tensor" and leaf.shard is None
+    with paused_gc():
+        f = Flattener()
+        items = []
+        for key, value in state.items():
+            first = len(f.leaves)
+            items.append([f.key(key, ""), f.node(value, join("", key), 1)])
+            if key in replicated:
+                for leaf in f.leaves[first:]:
+                    leaf.replicated = leaf.kind == "tensor" and leaf.shard is None
     return {"t": "dict", "items": items}, f.leaves
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No collection in the block (nestable). A save's walk and layout check allocate a few
+    objects per tensor that all live on: at thousands of tensors, the collections that set
+    off cost more than the work itself."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -183,19 +249,21 @@ class Layout:
     n_chunks: int
 
 
+_PATH_KIND = operator.attrgetter("path", "kind", "shard", "replicated")
+_META = operator.attrgetter("dtype", "shape", "device")
+
+
 def signature(leaves: list[Leaf]) -> tuple:
-    return tuple(
-        (
-            lf.path,
-            lf.kind,
-            lf.tensor.dtype,
-            tuple(lf.tensor.shape),
-            lf.tensor.device.type,
-            lf.shard,
-            lf.replicated,
-        )
-        for lf in leaves
+    """What the layout of ``leaves`` depends on: each leaf's path, kind, shard and replica
+    mark, and its tensor's dtype, shape and device. Built and compared on every save, so
+    from C-level maps (a tuple per leaf, no Python loop)."""
+    return (
+        list(map(_PATH_KIND, leaves)),
+        list(map(_META, map(_TENSOR, leaves))),
     )
+
+
+_TENSOR = operator.attrgetter("tensor")
 
 
 def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = None) -> Layout:
