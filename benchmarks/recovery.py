@@ -46,6 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 BIN = Path(sys.executable).parent
 STEPS, FAULT_STEP = 40, 20
+NODES = NPROC = 2  # --nccl: one node of one rank (NCCL takes one GPU a rank)
+LAUNCHERS = {"flashckpt-run": [sys.executable, "-P", "-m", "flashckpt.faults.launcher"],
+             "torchrun": [sys.executable, "-P", "-m", "torch.distributed.run"]}  # fmt: skip
 FAULTS = {"kill": f"kill:1:{FAULT_STEP}", "hang": f"stop:3:{FAULT_STEP}",
           "raise": f"raise:2:{FAULT_STEP}"}  # fmt: skip
 
@@ -70,7 +73,8 @@ def free_port_pair() -> int:
 
 def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),
               **env: str) -> tuple[list[int], float, list[Path]]:  # fmt: skip
-    """Run the job on two simulated nodes; (exit codes, seconds, the nodes' event logs)."""
+    """Run the job on two simulated nodes (``NODES`` x ``NPROC``); (exit codes, seconds, the
+    nodes' event logs)."""
     port, job = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
     procs, runs, shms = [], [], []
     marks = tmp / f"{job}-marks"
@@ -79,15 +83,18 @@ def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, di
               "FLASHCKPT_CONTROLLER": f"127.0.0.1:{free_port_pair()}",
               "FT_MARKS": str(marks),
               "FT_DIGEST": str(tmp / f"{job}.digest"), "FT_STEPS": str(STEPS),
-              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
-    for node in range(2):
+              "OMP_NUM_THREADS": "1",
+              "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"),
+                                                          os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    for node in range(NODES):
         run_dir, shm = tmp / f"{job}-run{node}", Path("/dev/shm") / f"flashckpt-bench-{job}-{node}"
         runs.append(run_dir)
         shms.append(shm)
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(shm), "FLASHCKPT_RUN_DIR": str(run_dir),
                 "FLASHCKPT_NODE": f"node{node}", **common, **env, **node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
-        cmd = [str(BIN / launcher), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        cmd = [*LAUNCHERS[launcher], f"--nnodes={NODES}", f"--nproc-per-node={NPROC}",
+               "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=30",
                "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
         with open(tmp / f"{job}-node{node}.log", "w") as out:  # kept when a run fails
@@ -130,7 +137,7 @@ def run_policy(policy: str, tmp: Path, hang_floor: float, timeout: float, **env:
     codes, _, logs = two_nodes("flashckpt-run", tmp, timeout,
                                FLASHCKPT_HANG_FLOOR=str(hang_floor),
                                FLASHCKPT_RESTART_POLICY=policy, **env)  # fmt: skip
-    if codes != [0, 0]:
+    if codes != [0] * NODES:
         raise SystemExit(f"{policy}: the job did not finish (exit codes {codes}); logs in {tmp}")
     events = [e for log in logs if log.exists() for e in read_events(log)]
     return summarize(events), sum(e["kind"] == "killed" for e in events)
@@ -161,7 +168,7 @@ def torchrun_kill(tmp: Path, timeout: float) -> str:
     log = tmp / "torchrun.events.jsonl"
     codes, took, _ = two_nodes("torchrun", tmp, timeout, FT_FAULTS=FAULTS["kill"],
                                **{ENV: str(log)})  # fmt: skip
-    if codes != [0, 0]:
+    if codes != [0] * NODES:
         return f"not finished after {took:.0f}s (exit codes {codes})"
     (mark,) = tmp.glob(f"*-marks/kill-1-{FAULT_STEP}")
     restored = [e["time"] for e in read_events(log)
@@ -197,8 +204,19 @@ def main() -> None:
     p.add_argument("--every", type=float, default=60.0)
     p.add_argument("--step-ms", type=float, default=100.0)
     p.add_argument("--policies", default="in-process,restart")
+    p.add_argument(
+        "--nccl",
+        action="store_true",
+        help="the kill case on NCCL: one node of one rank on GPU 0 (rank 0 killed)",
+    )
     args = p.parse_args()
     cases = args.cases.split(",")
+    if args.nccl:
+        global NODES, NPROC
+        NODES = NPROC = 1
+        FAULTS["kill"] = f"kill:0:{FAULT_STEP}"
+        os.environ["FT_BACKEND"] = "nccl"
+        cases = ["kill"]
     tmp = Path(tempfile.mkdtemp(prefix="fc-recovery-"))
     if args.effective:
         try:
@@ -210,7 +228,8 @@ def main() -> None:
             for case in cases for policy in args.policies.split(",")}  # fmt: skip
     baseline = torchrun_kill(tmp, args.baseline_timeout) if args.baseline_timeout > 0 else None
     shutil.rmtree(tmp, ignore_errors=True)  # a failed run exits above, its logs kept
-    print(f"fault -> every rank training again, 2 nodes x 2 gloo ranks, median of "
+    backend = os.environ.get("FT_BACKEND", "gloo")
+    print(f"fault -> every rank training again, {NODES} nodes x {NPROC} {backend} ranks, median of "
           f"{args.rounds} (seconds; hang floor {args.hang_floor:g}s)")  # fmt: skip
     cols = ("again", "detect", "abort", "rendezvous", "replacement", "restart", "restore")
     print(f"{'case':<7}{'policy':<12}" + "".join(f"{c:>12}" for c in cols) + f"{'steps lost':>12}")

@@ -151,6 +151,9 @@ class FakeDevice:
         self.registered: list[tuple[str, Hashable, int, int]] = []  # thread, device, ptr, bytes
         self.unregistered: list[tuple[str, int]] = []  # thread, ptr
         self.pinned_buffers = 0
+        self.copy_calls = 0  # copy_many() calls: one per device and fence side of a snapshot
+        self.gate = device_module.CaptureGate()  # begin_capture()/end_capture() drive it
+        self.during_capture = 0  # registrations that ran while a capture was counted
         self.waits: list[tuple[str, Hashable | None]] = []  # synchronize(): thread, device
         self.side: list[SideStream] = []
         self._host: dict[Hashable, HostStream] = {}
@@ -161,6 +164,13 @@ class FakeDevice:
     def place(self, t: torch.Tensor, index: int) -> torch.Tensor:
         self._placed[storage_key(t)] = f"fake:{index}"
         return t
+
+    def begin_capture(self, mode: str = "global") -> bool:
+        """What torch's ``CUDAGraph.capture_begin`` does once gated (see ``CaptureGate``)."""
+        return self.gate.capture_begins(mode)
+
+    def end_capture(self) -> None:
+        self.gate.capture_ends()
 
     def side_stream(self, dev: str = "fake:0") -> SideStream:
         return next(s for s in self.side if s.device == dev)
@@ -193,6 +203,12 @@ class FakeDevice:
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream.copy(dst, src)
 
+    def copy_many(self, stream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        self.copy_calls += 1
+        for dst, src in zip(dsts, srcs, strict=True):
+            assert not (src.is_conj() or src.is_neg()), "a lazy bit reached the device copy"
+            stream.copy(dst, src)
+
     def capturing(self) -> bool:
         return self.capture
 
@@ -207,9 +223,11 @@ class FakeDevice:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def host_register(self, ptr: int, nbytes: int) -> str | None:
-        name = threading.current_thread().name
-        self.registered.append((name, self.current_device(), ptr, nbytes))
-        return self.refuse
+        with self.gate.registering():
+            name = threading.current_thread().name
+            self.registered.append((name, self.current_device(), ptr, nbytes))
+            self.during_capture += self.gate.capturing
+            return self.refuse
 
     def host_unregister(self, ptr: int) -> str | None:
         self.unregistered.append((threading.current_thread().name, ptr))

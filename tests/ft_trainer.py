@@ -76,7 +76,7 @@ def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
     """One step: this rank's batch of ``step``, gradients averaged over every rank."""
     g = torch.Generator().manual_seed(step * 100 + rank)
-    x = torch.randn(8, 16, generator=g)
+    x = torch.randn(8, 16, generator=g).to(next(model.parameters()).device)
     loss = (model(x) - x.flip(1)).pow(2).mean()
     loss.backward()
     for p in model.parameters():

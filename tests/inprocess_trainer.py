@@ -10,6 +10,9 @@ errors, so only the recovery budget stops it). Every time
 ``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=... groups=...``, what the tests compare
 across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
 
+``FT_BACKEND``: the process groups' backend (default gloo; nccl puts the model on the rank's
+GPU).
+
 For a long run (``benchmarks/recovery.py --effective``): ``FT_STEP_S`` seconds of simulated
 compute per step, and ``FT_EVERY`` seconds: the n-th fault of ``FT_SCHEDULE``
 (``kind:rank,...``, cycled) is injected once ``n x FT_EVERY`` seconds have passed since
@@ -86,8 +89,12 @@ def usage() -> str:
 
 
 def main() -> None:
+    backend = os.environ.get("FT_BACKEND", "gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": opt}
     ckpt = Checkpointer()
@@ -107,7 +114,7 @@ def main() -> None:
             ckpt.save(step, state)
             inject(rank, step, planned)
 
-    flashckpt.run_recoverable(train, backend="gloo")
+    flashckpt.run_recoverable(train, backend=backend)
     rank = int(os.environ["RANK"])
     sys.stdout.write(f"done {rank} pid={os.getpid()} rounds={len(rounds)} {usage()}\n")
     sys.stdout.flush()

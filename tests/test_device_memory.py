@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -104,19 +105,31 @@ os._exit(0)  # no close(): as a crash leaves them
         assert ck._prep.pinner.pinned(ck._pair.slots[first])  # written into while page-locked
 
 
-def test_a_refused_registration_leaves_the_slot_pageable_and_is_not_retried(fake, caplog):
+def test_a_refused_registration_leaves_the_slot_pageable_until_it_is_tried_again_later(
+    fake, caplog, monkeypatch
+):
+    from flashckpt.snapshot import pinning
+
+    monkeypatch.setattr(pinning, "RETRY_S", 0.3)
     fake.refuse = "operation not supported (error 801)"
     state = state_of()
     with Checkpointer(job="refused") as ck:
         for step in range(4):
             ck.save(step, state)
             settle(ck)
-        assert len(fake.registered) == 2  # each slot tried once
+        assert len(fake.registered) == 2  # each slot tried once: not again at once
         assert caplog.text.count("page-locking") == 1 and "error 801" in caplog.text
         assert not fake.unregistered
         restored = state_of(seed=1)
         assert ck.restore(restored) == 3
         equal_states(restored, state)
+        fake.refuse = None  # e.g. the graph capture or the memory pressure that refused it ended
+        time.sleep(0.35)
+        for step in range(4, 7):
+            ck.save(step, state)
+            settle(ck)
+        assert len(fake.registered) == 4  # tried again once the wait was over, and locked
+        assert all(ck._prep.pinner.pinned(s) for s in ck._pair.slots if s is not None)
 
 
 def test_a_page_locked_slot_is_unregistered_before_it_grows(fake):

@@ -144,12 +144,10 @@ class DeviceCopier:
                 caller = self.rt.current_stream(dev)
                 side.wait_stream(caller)
                 queued.append(side)
-                for dst, src, _ in early:
-                    self.rt.copy(side, dst, src)
+                pending.sources += self._copy_all(side, early)
                 fenced = self.rt.new_event()
                 fenced.record(side)
-                for dst, src, _ in late:
-                    self.rt.copy(side, dst, src)
+                pending.sources += self._copy_all(side, late)
                 pending.done[dev] = done = self.rt.new_event()
                 done.record(side)
                 caller.wait_event(fenced)
@@ -157,10 +155,25 @@ class DeviceCopier:
         except BaseException:
             self._drain(queued)  # nothing may still write into the slot once it is given up
             raise
-        if pending.watched:
-            with self._lock:
-                self._pending = pending
+        with self._lock:  # fence() makes the stream then current wait for all of it
+            self._pending = pending
         return pending
+
+    def _copy_all(self, side: Any, pairs: list[Pair]) -> list[torch.Tensor]:
+        """Queue ``pairs`` on ``side`` in one call; the tensors made for it (referenced until
+        the copies land). A lazily conjugated or negated source is resolved first, on the
+        caller's stream: copied as it is into page-locked memory, torch would apply the bit
+        to the host bytes right after queuing the copy, before the bytes land, and the
+        snapshot would hold the source unconjugated."""
+        if not pairs:
+            return []
+        srcs = [src for _, src, _ in pairs]
+        made: list[torch.Tensor] = []
+        if any(map(torch.Tensor.is_conj, srcs)) or any(map(torch.Tensor.is_neg, srcs)):
+            srcs = made = [s.resolve_conj().resolve_neg() for s in srcs]
+            side.wait_stream(self.rt.current_stream(self.rt.device_of(srcs[0])))
+        self.rt.copy_many(side, [dst for dst, _, _ in pairs], srcs)
+        return made
 
     def fence(self) -> None:
         """Make every device's current stream wait for the snapshot in flight."""

@@ -4,14 +4,16 @@ Registration costs about as much as faulting the memory in, so it never runs on 
 thread: the slot preparer's own thread does it, after making the device the state lives on
 its current device (a thread with none would create a context on device 0, and a GPU in
 exclusive-process mode refuses that). A refused registration leaves the runtime's error in
-that thread alone, where nothing launches kernels; the slot stays pageable, copies into it
-are synchronous, and it is not tried again until its mapping changes. A mapping is always
-unregistered before it is grown or unmapped.
+that thread alone, where nothing launches kernels (and the runtime clears it); the slot stays
+pageable for now, copies into it are synchronous, and it is tried again later (after
+``RETRY_S``, doubling with each refusal of that mapping) or once its mapping changes. A
+mapping is always unregistered before it is grown or unmapped.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable
 
 from ..format.slot import Slot
@@ -20,6 +22,8 @@ from .device import DeviceRuntime
 log = logging.getLogger(__name__)
 
 Extent = tuple[int, int]  # (address, bytes) of a slot's mapping
+RETRY_S = 30.0  # a refused registration is tried again after this, then twice as long...
+MAX_RETRY_S = 600.0
 
 
 def _extent(slot: Slot) -> Extent:
@@ -30,7 +34,8 @@ class Pinner:
     def __init__(self, rt: DeviceRuntime) -> None:
         self.rt = rt
         self._pinned: dict[int, Extent] = {}  # id(slot) -> the mapping registered
-        self._refused: dict[int, Extent] = {}  # id(slot) -> the mapping the runtime refused
+        # id(slot) -> the mapping the runtime refused, when it may be tried again, refusals
+        self._refused: dict[int, tuple[Extent, float, int]] = {}
         self._warned = False
 
     def pinned(self, slot: Slot) -> bool:
@@ -38,11 +43,13 @@ class Pinner:
         return self._pinned.get(id(slot)) == _extent(slot)
 
     def wanted(self, slot: Slot) -> bool:
-        """Whether ``slot`` should be page-locked and has not been refused as it is mapped."""
+        """Whether ``slot`` should be page-locked now: not yet, and not refused as it is mapped
+        too recently to try again."""
         ext = _extent(slot)
-        return (
-            ext[1] > 0 and self._pinned.get(id(slot)) != ext and self._refused.get(id(slot)) != ext
-        )
+        if ext[1] == 0 or self._pinned.get(id(slot)) == ext:
+            return False
+        refused = self._refused.get(id(slot))
+        return refused is None or refused[0] != ext or time.monotonic() >= refused[1]
 
     def pin(self, slot: Slot, device: Hashable) -> None:
         """Register ``slot``'s mapping for every device (on the preparation thread)."""
@@ -54,12 +61,15 @@ class Pinner:
         if error is None:
             self._pinned[id(slot)] = ext
             return
-        self._refused[id(slot)] = ext
+        before = self._refused.get(id(slot))
+        times = before[2] + 1 if before is not None and before[0] == ext else 1
+        wait = min(RETRY_S * 2 ** (times - 1), MAX_RETRY_S)
+        self._refused[id(slot)] = (ext, time.monotonic() + wait, times)
         level = logging.DEBUG if self._warned else logging.WARNING
         self._warned = True
         log.log(level, "page-locking %s (%d MiB) was refused: %s; snapshots into it copy "
-                "through pageable memory, blocking save() for the whole copy", slot.path,
-                ext[1] >> 20, error)  # fmt: skip
+                "through pageable memory, blocking save() for the whole copy; tried again in "
+                "%.0fs", slot.path, ext[1] >> 20, error, wait)  # fmt: skip
 
     def unpin(self, slot: Slot) -> None:
         """Unregister ``slot``'s mapping if it is registered (on the preparation thread)."""

@@ -13,7 +13,7 @@ nothing touches a slot while a snapshot is being written into it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..format.slot import Slot
@@ -80,7 +80,8 @@ class SlotPreparer:
             if _short(slot, capacity):
                 self._in_background(i, capacity, device)
             elif device is not None and self.pinner.wanted(slot):
-                self.pending[i] = self._executor.submit(self.pinner.pin, slot, device)
+                self._busy_while(i, lambda slot=slot: self.pinner.pin(slot, device),
+                                 self.pair.pinning)  # fmt: skip
 
     def _free(self, i: int) -> bool:
         """Whether nothing else is at slot ``i``: no background work, and no snapshot being
@@ -88,14 +89,23 @@ class SlotPreparer:
         return i not in self.pending and i not in self.pair.busy and i not in self.pair.writing
 
     def _in_background(self, i: int, capacity: int, device: Hashable | None) -> None:
-        def prepare() -> None:
-            try:
-                self._prepare(i, capacity, background=True, device=device)
-            finally:
-                self.pair.busy.discard(i)
+        self._busy_while(i, lambda: self._prepare(i, capacity, background=True, device=device))
 
-        self.pair.busy.add(i)  # no one else touches the slot until it is ready
-        self.pending[i] = self._executor.submit(prepare)
+    def _busy_while(self, i: int, work: Callable[[], None], marks: set[int] | None = None) -> None:
+        """Run ``work`` on slot ``i`` in the background, with ``i`` in ``marks`` meanwhile:
+        ``pair.busy`` (the slot is being made or grown: nothing reads or writes it) by
+        default, ``pair.pinning`` (page-locked: it is not chosen for a write, and what it
+        holds can still be read)."""
+        marks = self.pair.busy if marks is None else marks
+
+        def run() -> None:
+            try:
+                work()
+            finally:
+                marks.discard(i)
+
+        marks.add(i)
+        self.pending[i] = self._executor.submit(run)
 
     def _prepare(self, i: int, capacity: int, prefault: bool = True, background: bool = False,
                  device: Hashable | None = None) -> None:  # fmt: skip

@@ -166,6 +166,7 @@ class SlotPair:
         self.paths = [slot_path(shm_dir, job, rank, i) for i in range(N_SLOTS)]
         self.slots: list[Slot | None] = [None] * N_SLOTS
         self.busy: set[int] = set()  # slots being prepared in the background: not to be touched
+        self.pinning: set[int] = set()  # slots being page-locked: readable, not to be written
         self.writing: set[int] = set()  # slots a snapshot is being written into (copies in flight)
         # Slots in use: two, and a spare each time readers held every slot but the newest
         # (persistence lags), or the spares found from an earlier run.
@@ -300,7 +301,9 @@ class SlotPair:
         newest = order[-1] if self._age(order[-1])[0] else None
         for i in order:
             slot = self.slots[i]
-            if i == newest or slot is None or i in self.busy or slot.capacity < need:
+            if i == newest or slot is None or i in self.busy or i in self.pinning:
+                continue
+            if slot.capacity < need:
                 continue
             if slot.try_lock(exclusive=True):
                 self.writing.add(i)

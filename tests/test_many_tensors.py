@@ -1,0 +1,227 @@
+"""States of thousands of tensors: a steady save reuses its layout, its manifest's entries and
+its slot views and copies in a few calls, host and device alike, and still copies the
+tensors the state holds at that save; lazy conjugate/negative views reach no device copy;
+page-locking and graph captures in global mode never run at once; ``fence()`` orders every
+copy in flight after the stream current when it is called. Times are in
+``benchmarks/snapshot.py --case many-tensors``, never here."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fake_device import installed
+
+from flashckpt import Checkpointer
+from flashckpt import checkpointer as checkpointer_module
+from flashckpt.snapshot import copy_plan
+from flashckpt.snapshot.device import CaptureGate, gate_captures
+
+
+def many(n: int, seed: int = 0) -> dict:
+    """A module and AdamW state of about ``n`` tensors (a parameter and three of state each)."""
+    torch.manual_seed(seed)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(7)) for _ in range(n // 4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    for p in model:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def values(state: dict) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in state["model"]]
+    for st in state["optim"].state.values():
+        out += [v.clone() for v in st.values()]
+    return out
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class Counted:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def test_a_steady_save_reuses_layout_entries_and_views_and_copies_the_current_tensors(
+    shm_dir, monkeypatch
+):
+    encode = Counted(checkpointer_module.encode_entries)
+    view = Counted(copy_plan.entry_view)
+    monkeypatch.setattr(checkpointer_module, "encode_entries", encode)
+    monkeypatch.setattr(copy_plan, "entry_view", view)
+    state = many(4000)
+    n = len(values(state))
+    with Checkpointer(job="steady") as ck:
+        for step in range(6):
+            ck.save(step, state)
+            layout = ck._layout
+        assert encode.calls == 1  # the entries of one layout, encoded once
+        assert view.calls <= 3 * n  # once per slot (two, and a spare at most), not per save
+        # load_state_dict replaces the optimizer's state tensors: the next save copies those
+        other = many(4000, seed=5)
+        state["optim"].load_state_dict(other["optim"].state_dict())
+        with torch.no_grad():
+            for p, q in zip(state["model"], other["model"], strict=True):
+                p.copy_(q)
+        expected = values(state)
+        ck.save(6, state)
+        assert ck._layout is layout and encode.calls == 1
+        fresh = many(4000, seed=9)
+        assert ck.restore(fresh) == 6
+    assert_same(values(fresh), expected)
+
+
+def test_a_changed_layout_is_planned_anew_and_sub_byte_dtypes_are_copied_as_bytes(shm_dir):
+    int4 = getattr(torch, "int4", None)
+    state = {"a": torch.arange(12.0), "b": [torch.ones(3, dtype=torch.int64)] * 2}
+    if int4 is not None:
+        state["packed"] = torch.arange(16, dtype=torch.uint8).view(int4)
+    with Checkpointer(job="changed") as ck:
+        ck.save(0, state)
+        first = ck._layout
+        state["a"] = torch.arange(20.0).view(4, 5)  # a new shape: a new layout
+        ck.save(1, state)
+        assert ck._layout is not first
+        out = {"a": torch.zeros(4, 5), "b": [torch.zeros(3, dtype=torch.int64)] * 2}
+        if int4 is not None:
+            out["packed"] = torch.zeros(16, dtype=torch.uint8).view(int4)
+        assert ck.restore(out) == 1
+    assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"][1], state["b"][1])
+    if int4 is not None:
+        assert torch.equal(out["packed"].view(torch.uint8), state["packed"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_copies_go_in_one_call_per_fence_side_with_lazy_bits_resolved(shm_dir, overlap):
+    with installed() as fake:
+        state = many(400)
+        x = torch.randn(5, dtype=torch.complex64)
+        state["conj"] = x.conj()  # a lazily conjugated view
+        state["neg"] = torch._neg_view(torch.randn(5))  # a lazily negated one
+        expected = {"conj": x.conj().resolve_conj(), "neg": state["neg"].resolve_neg()}
+        with Checkpointer(job=f"dev-{overlap}", overlap=overlap) as ck:
+            ck.save(0, state)  # FakeDevice.copy_many refuses a lazy bit
+            assert ck.wait(0, timeout=30) == 0
+            assert 1 <= fake.copy_calls <= 2  # before and after the fence, not per tensor
+            out = {**many(400, seed=3), "conj": torch.zeros(5, dtype=torch.complex64),
+                   "neg": torch.zeros(5)}  # fmt: skip
+            assert ck.restore(out) == 0
+        assert torch.equal(out["conj"], expected["conj"])
+        assert torch.equal(out["neg"], expected["neg"])
+        assert_same(values(out), values(state))
+
+
+def test_fence_orders_every_copy_in_flight_after_the_stream_current_then(shm_dir):
+    """Training that moves to another stream after save() calls fence() there: that stream
+    then waits for the copies, those of tensors no optimizer step writes (buffers) too."""
+    with installed() as fake:
+        buf = {"running_mean": torch.randn(64)}  # no optimizer: copied before the fence event
+        with Checkpointer(job="fence", overlap=True) as ck:
+            ck.save(0, buf)
+            other = fake.host_stream("fake:0")
+            waits = other.waits
+            ck.fence()
+            assert other.waits > waits  # the stream current at fence() waited for the copies
+            assert ck.wait(0, timeout=30) == 0
+
+
+def test_page_locking_waits_for_a_global_capture_and_a_capture_waits_for_it():
+    gate = CaptureGate()
+    order: list[str] = []
+    assert gate.capture_begins("global")
+
+    def register() -> None:
+        with gate.registering():
+            order.append("registered")
+
+    t = threading.Thread(target=register)
+    t.start()
+    time.sleep(0.1)
+    assert order == []  # held while the capture runs
+    order.append("capture ended")
+    gate.capture_ends()
+    t.join(5)
+    assert order == ["capture ended", "registered"]
+
+    assert gate.capture_begins("thread_local") is False  # other threads may register then
+    with gate.registering():
+        began = threading.Event()
+        t = threading.Thread(target=lambda: (gate.capture_begins("global"), began.set()))
+        t.start()
+        assert not began.wait(0.1)  # a global capture waits for the registration
+    assert began.wait(5)
+    gate.capture_ends()
+    t.join(5)
+
+
+def test_torchs_graph_class_is_routed_through_the_gate():
+    """The same wrapping the CUDA runtime applies to torch's CUDAGraph, on a stand-in."""
+
+    class Graph:
+        def __init__(self, fail: bool = False):
+            self.fail, self.log = fail, []
+
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            if self.fail:
+                raise RuntimeError("capture refused")
+            self.log.append("begin")
+
+        def capture_end(self):
+            self.log.append("end")
+
+    gate = CaptureGate()
+    gate_captures(Graph, gate)
+    gate_captures(Graph, gate)  # once only
+    g = Graph()
+    g.capture_begin(capture_error_mode="global")
+    assert gate.capturing
+    g.capture_end()
+    assert not gate.capturing and g.log == ["begin", "end"]
+    g.capture_begin(None, "relaxed")
+    assert not gate.capturing
+    g.capture_end()
+    with pytest.raises(RuntimeError):
+        Graph(fail=True).capture_begin()
+    assert not gate.capturing  # a failed begin is not counted
+
+
+def test_no_slot_is_page_locked_during_a_capture_in_a_checkpointers_background(shm_dir):
+    with installed() as fake:
+        state = {"w": torch.randn(1 << 16)}
+        with Checkpointer(job="capture") as ck:
+            assert fake.begin_capture("global")
+            ck.save(0, state)  # readies and page-locks the other slot in the background
+            time.sleep(0.2)
+            assert fake.registered == []  # held: a registration would break the capture
+            fake.end_capture()
+            for fut in list(ck._prep.pending.values()):
+                fut.result(timeout=30)
+            assert fake.registered and fake.during_capture == 0
+
+
+def test_a_slot_being_page_locked_is_not_chosen_for_a_write(shm_dir):
+    with Checkpointer(job="pinning") as ck:
+        state = {"w": torch.ones(1000)}
+        for step in range(3):
+            ck.save(step, state)
+        pair = ck._pair
+        target = pair.write_order()[0]
+        pair.pinning.add(target)
+        try:
+            slot = pair.acquire_for_write(1)
+            assert slot is None or slot is not pair.slots[target]
+            if slot is not None:
+                slot.unlock()
+                pair.writing.clear()
+        finally:
+            pair.pinning.discard(target)
