@@ -122,7 +122,7 @@ def main() -> None:
     if rank == 0:
         digest = hashlib.sha256()
         for v in model.state_dict().values():
-            digest.update(v.detach().numpy().tobytes())
+            digest.update(v.detach().cpu().numpy().tobytes())
         Path(os.environ["FT_DIGEST"]).write_text(digest.hexdigest())
 
 
