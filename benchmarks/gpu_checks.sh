@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The checks only a GPU runs, in one go (about 8 minutes on one H100), from the project root
-# with the wheels of .whl/ beside it (README, "On a GPU"): the `-m gpu` tests, the many-tensors
-# snapshot benchmark on the device, and the in-process recovery kill case on NCCL. Each part's
-# output goes to $OUT (default /tmp/flashckpt-gpu) as soon as it is measured.
+# The checks only a GPU runs, in one go (about 5 minutes on one H100), from the project root
+# with the wheels of .whl/ beside it (README, "GPU tests and benchmark"): the `-m gpu` tests,
+# the many-tensors snapshot benchmark on the device, and the in-process recovery kill case on
+# NCCL. Each part's output goes to $OUT (default /tmp/flashckpt-gpu) as soon as it is
+# measured. Processes a test or the launcher starts run outside the repository root, where
+# the in-tree flashckpt/ would shadow the installed package.
 set -u
+ROOT=$PWD
 OUT=${OUT:-/tmp/flashckpt-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -15,7 +18,6 @@ python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.n
   | tee -a "$OUT/gpu.txt"
 export FLASHCKPT_SHM_DIR=/dev/shm/flashckpt-gpu-checks
 echo "== pytest -m gpu"
-# From tests/: the agent a test starts must not find the in-tree package in its directory.
 (cd tests && timeout "${TESTS_S:-240}" python3 -P -m pytest -q -m gpu -p no:cacheprovider . \
   > "$OUT/pytest.txt" 2>&1)
 echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -3
@@ -30,7 +32,8 @@ rm -rf /dev/shm/flashckpt-*
 fi
 echo "== benchmarks/recovery.py --nccl"
 mkdir -p "$OUT/tmp"  # a failed or stopped run's node logs come back from here
-TMPDIR="$OUT/tmp" timeout "${RECOVERY_S:-150}" python3 -P -u benchmarks/recovery.py --nccl \
-  --rounds "${RECOVERY_ROUNDS:-2}" --baseline-timeout 0 > "$OUT/recovery.txt" 2>&1
+(cd /tmp && TMPDIR="$OUT/tmp" timeout "${RECOVERY_S:-150}" python3 -P -u \
+  "$ROOT/benchmarks/recovery.py" --nccl --rounds "${RECOVERY_ROUNDS:-2}" --baseline-timeout 0 \
+  > "$OUT/recovery.txt" 2>&1)
 echo "recovery rc=$?"; tail -8 "$OUT/recovery.txt"
 for f in "$OUT"/tmp/*/*.log; do [ -f "$f" ] && { echo "-- $f"; tail -15 "$f"; }; done

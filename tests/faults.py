@@ -78,9 +78,9 @@ class KillSwitch:
         self._cut_at: int | None = None  # the step whose copy a mid-copy kill cuts
 
     def install(self) -> KillSwitch:
-        from flashckpt import checkpointer
         from flashckpt.format import slot
-        from flashckpt.snapshot import sealer, slots
+        from flashckpt.snapshot import copy_plan, sealer, slots
+        from flashckpt.snapshot.flatten import copy_into
 
         real_acquire, real_try = slots.SlotPair.acquire_for_write, slot.Slot.try_lock
 
@@ -102,19 +102,23 @@ class KillSwitch:
         slot.Slot.try_lock = try_lock
         slots.SlotPair.acquire_for_write = acquire_for_write
         if self.plan.phase == MID_COPY:
-            real_copy = checkpointer.copy_into
+            real_host_copy = copy_plan.CopyPlan.host_copy
 
-            def copy_into(dst, src):  # type: ignore[no-untyped-def]
-                if self._step == self._cut_at:
+            def host_copy(plan, leaves):  # type: ignore[no-untyped-def]
+                if self._step != self._cut_at:
+                    return real_host_copy(plan, leaves)
+                # Tensor by tensor, as the batched copy lays them down: part of tensor
+                # ``index`` lands in the slot, the rest never will.
+                for i in plan.batched + plan.one_by_one:
+                    dst, src = plan.views[i], leaves[i].tensor
                     if self._copies == self.plan.index:
-                        # Part of this tensor lands in the slot, the rest never will.
                         n = int(src.numel() * self.plan.fraction)
                         dst.reshape(-1)[:n].copy_(src.reshape(-1)[:n])
                         kill_self()
                     self._copies += 1
-                return real_copy(dst, src)
+                    copy_into(dst, src)
 
-            checkpointer.copy_into = copy_into
+            copy_plan.CopyPlan.host_copy = host_copy
         elif self.plan.phase == SEALING:
             real_sums = sealer.chunk_checksums
 
