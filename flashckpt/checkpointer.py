@@ -27,11 +27,12 @@ from .safe_paths import write_atomic
 from .snapshot import device
 from .snapshot.copy_plan import CopyPlans
 from .snapshot.device_copy import DeviceCopier, PendingCopy
-from .snapshot.flatten import Layout, Leaf, flatten, paused_gc, plan_layout
+from .snapshot.flatten import Layout, flatten, paused_gc, plan_layout
 from .snapshot.replicas import ReplicaFinder
 from .snapshot.sealer import Sealer
 from .snapshot.slot_prep import SlotPreparer
 from .snapshot.slots import N_SLOTS, N_STEADY, SlotPair, closed_marker_path, header_or_none
+from .snapshot.steady import StateWalker, Walked
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Checkpointer:
         self._rt = device.runtime()
         self._prep = SlotPreparer(self._pair, self._rt)
         self._plans = CopyPlans(self._rt.is_device_tensor)  # the slots' views, per layout
+        self._walker = StateWalker(chunk_size)  # the state's walk, compiled once it is steady
         self._pending: Future | None = None  # a device snapshot still being copied
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
         # Made now: in overlapped mode it watches optimizer steps from the first one on.
@@ -125,18 +127,18 @@ class Checkpointer:
             self._check_open()
             keys, replicas = self._replicas(state)
             with paused_gc():
-                tree, leaves = flatten(state, keys)
-                layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+                walked = self._walker.walk(state, keys, self._layout)
+            layout = self._layout = walked.layout
             if self._entries_json[0] is not layout:
                 self._entries_json = (layout, encode_entries(layout.entries))
             manifest = Manifest(
-                self.job, self.rank, step, tree, layout.entries, layout.data_len,
+                self.job, self.rank, step, walked.tree, layout.entries, layout.data_len,
                 chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
                 lineage=self._lineage or Lineage(),
-                replicas=replicas if any(lf.replicated for lf in leaves) else None,
+                replicas=replicas if layout.replicated else None,
                 incarnation=self._incarnation,
             )  # fmt: skip
-            raw = manifest.to_json(self._entries_json[1])
+            raw = manifest.to_json(self._entries_json[1], walked.tree_json)
             self._connect_agent()
             need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
             self._settle()
@@ -147,16 +149,16 @@ class Checkpointer:
             capacity = need + max(_MANIFEST_HEADROOM, len(raw))
             self._prep.ready_target(need, capacity)
             try:
-                self._snapshot(step, state, layout, leaves, manifest, raw, (need, capacity))
+                self._snapshot(step, state, walked, manifest, raw, (need, capacity))
             finally:  # other slots (a spare too, once needed) once the copy is queued
-                self._prep.the_rest_in_background(capacity, self._device_of(leaves))
+                self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
             if beat is not None:
                 beat.progress(step)
             self._save_stall += time.perf_counter() - began
             self._saves += 1
 
-    def _snapshot(self, step: int, state: Mapping[str, Any], layout: Layout, leaves: list[Leaf],
-                  manifest: Manifest, raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
+    def _snapshot(self, step: int, state: Mapping[str, Any], walked: Walked, manifest: Manifest,
+                  raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
         """Copy ``state`` into a free slot and publish it (CUDA: once its copies land)."""
         need, capacity = size
         in_use = self._pair.in_use
@@ -180,12 +182,12 @@ class Checkpointer:
         self._sealer.cancel(slot)
         try:
             slot.begin_write()
-            plan = self._plans.plan(slot, layout, leaves)
+            plan = self._plans.plan(slot, walked.layout, walked.leaves)
             pending = None
             if plan.on_device:  # queued first: the host copies below run while they do
                 deferred = self._copier.deferrable(state.values())
-                pending = self._copier.copy(plan.device_pairs(leaves), deferred)
-            plan.host_copy(leaves)
+                pending = self._copier.copy(plan.device_pairs(walked.tensors), deferred)
+            plan.host_copy(walked.tensors)
             if pending is not None and self.overlap:
                 self._pending = self._background.submit(
                     self._publish_after, pending, slot, manifest, raw
@@ -247,7 +249,9 @@ class Checkpointer:
                                     seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
             self._stepping_again = restored is not None
             # Ready the slots off the training step, the one the first save() goes to first.
-            self._prep.the_rest_in_background(capacity, self._device_of(leaves))
+            self._prep.the_rest_in_background(
+                capacity, self._device_of([lf.tensor for lf in leaves])
+            )
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "
@@ -333,15 +337,14 @@ class Checkpointer:
             tensors = obj.parameters() if isinstance(obj, torch.nn.Module) else [obj]
             self._copier.also_step_written(tensors)
 
-    def _device_of(self, leaves: list[Leaf]) -> Any:
+    def _device_of(self, tensors: list[torch.Tensor]) -> Any:
         """The device of the state's first device tensor, or None for a host state."""
         layout = self._layout
         if self._first_device[0] is not layout or layout is None:
-            first = next((i for i, lf in enumerate(leaves)
-                          if self._rt.is_device_tensor(lf.tensor)), None)  # fmt: skip
+            first = next((i for i, t in enumerate(tensors) if self._rt.is_device_tensor(t)), None)
             self._first_device = (layout, first)
         first = self._first_device[1]
-        return None if first is None else self._rt.device_of(leaves[first].tensor)
+        return None if first is None else self._rt.device_of(tensors[first])
 
     def _beat(self) -> Heartbeat | None:
         """This rank's heartbeat page, made on first use once the rank is claimed."""

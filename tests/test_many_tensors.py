@@ -66,6 +66,7 @@ def test_a_steady_save_reuses_layout_entries_and_views_and_copies_the_current_te
             ck.save(step, state)
             layout = ck._layout
         assert encode.calls == 1  # the entries of one layout, encoded once
+        assert ck._walker.full_walks == 1  # the state walked in full once, then compiled
         assert view.calls <= 3 * n  # once per slot (two, and a spare at most), not per save
         # load_state_dict replaces the optimizer's state tensors: the next save copies those
         other = many(4000, seed=5)
@@ -225,3 +226,48 @@ def test_a_slot_being_page_locked_is_not_chosen_for_a_write(shm_dir):
                 pair.writing.clear()
         finally:
             pair.pinning.discard(target)
+
+
+def test_the_steady_walk_follows_scalars_and_falls_back_on_any_change(shm_dir):
+    """After the first save the state is not walked in full again while only its scalars
+    move (a learning rate schedule, step counts); a new key, a bool where an int was, a
+    tensor reshaped or an ndarray leaf walk in full, and every restore gets what was saved."""
+    import numpy as np
+
+    state = many(400)
+    opt = state["optim"]
+    state["meta"] = {"epoch": 1, "lr_scale": 0.5, "name": "run", "flag": True, "dtype": torch.float16}
+    with Checkpointer(job="walk") as ck:
+        walker = ck._walker
+        for step in range(4):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 / (step + 1)
+            state["meta"]["epoch"] = step
+            state["meta"]["lr_scale"] = float("nan") if step == 2 else step / 3
+            ck.save(step, state)
+        assert walker.full_walks == 1
+        fresh = many(400, seed=4)
+        fresh["meta"] = dict.fromkeys(state["meta"])  # scalars: the snapshot's replace them
+        assert ck.restore(fresh) == 3
+        assert fresh["optim"].param_groups[0]["lr"] == 1e-3 / 4
+        assert fresh["meta"] == {"epoch": 3, "lr_scale": 1.0, "name": "run", "flag": True,
+                                 "dtype": torch.float16}  # fmt: skip
+        assert_same(values(fresh), values(state))
+
+        state["meta"]["flag"] = 1  # same value, another type: the JSON differs
+        ck.save(4, state)
+        state["meta"]["new"] = torch.arange(3)  # a new key
+        ck.save(5, state)
+        assert walker.full_walks == 2  # a type swap of a scalar is refilled, not walked
+        state["meta"]["arr"] = np.arange(4)  # an ndarray leaf: walked in full every save
+        ck.save(6, state)
+        ck.save(7, state)
+        assert walker.full_walks == 4
+        del state["meta"]["arr"]
+        state["model"][0].data = torch.randn(9)  # a reshaped parameter: a new layout
+        ck.save(8, state)
+        assert walker.full_walks == 5
+        got = {"meta": {"flag": None, "new": torch.zeros(3, dtype=torch.int64)}}
+        assert ck.restore(got, strict=False)[0] == 8
+        assert got["meta"]["flag"] == 1 and type(got["meta"]["flag"]) is int
+        assert torch.equal(got["meta"]["new"], torch.arange(3))

@@ -86,6 +86,13 @@ class Entry:
             doc["shard"] = {f.name: getattr(self.shard, f.name) for f in fields(self.shard)}
         return doc
 
+    def but(self, **changes: Any) -> Entry:
+        """A copy with ``changes``: ``dataclasses.replace`` without its per-field setattr
+        calls (a manifest of thousands of entries makes thousands of these per restore)."""
+        new = object.__new__(Entry)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
+
     def chunk_ranges(self, chunk_size: int) -> list[tuple[int, int]]:
         """(start, end) byte ranges of this entry's chunks, in data coordinates."""
         return [
@@ -131,20 +138,19 @@ class Manifest:
         """Attach a flat per-chunk checksum list (in entry order) to the entries."""
         if len(flat) != self.n_chunks:
             raise ManifestError(f"{len(flat)} checksums for {self.n_chunks} chunks")
+        cs = self.chunk_size
         entries = tuple(
-            replace(
-                e,
-                checksums=tuple(flat[e.first_chunk : e.first_chunk + e.n_chunks(self.chunk_size)]),
-            )
+            e.but(checksums=tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
             for e in self.entries
         )
         return replace(self, entries=entries)
 
     # ---- JSON ------------------------------------------------------------------------
-    def to_json(self, entries_json: str | None = None) -> bytes:
+    def to_json(self, entries_json: str | None = None, tree_json: str | None = None) -> bytes:
         """The manifest as stored. ``entries_json``: ``encode_entries(self.entries)`` made
         earlier (a save of an unchanged layout reuses it: at thousands of tensors encoding
-        the entries costs more than copying small ones)."""
+        the entries costs more than copying small ones); ``tree_json``: the tree's JSON, made
+        by the caller (then it stands for ``tree``)."""
         # Built by hand: dataclasses.asdict deep-copies the tree and costs milliseconds per
         # save for a real model's state; the tree is JSON-ready already.
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -152,10 +158,13 @@ class Manifest:
         doc["lineage"] = self.lineage.to_doc()
         if self.replicas is None:
             del doc["replicas"]
+        if tree_json is not None:
+            del doc["tree"]
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
         if entries_json is None:
             entries_json = encode_entries(self.entries)
-        return f'{head[:-1]},"entries":{entries_json}}}'.encode()
+        tree = "" if tree_json is None else f',"tree":{tree_json}'
+        return f'{head[:-1]}{tree},"entries":{entries_json}}}'.encode()
 
     @classmethod
     def from_json(
@@ -205,6 +214,7 @@ _OPTIONAL = {
     "chunk_size", "checksum_algorithm", "created_at", "world_size", "meta", "lineage", "replicas",
     "incarnation",
 }  # fmt: skip
+_BLANK = Entry("", "tensor", "uint8", (), 0, 0, 0)  # every field is set by ``but``
 _ENTRY_REQUIRED = {"path", "kind", "dtype", "shape", "offset", "nbytes", "first_chunk"}
 _ENTRY_OPTIONAL = {"checksums", "shard", "device", "replicated", "stored_at"}
 _SHARD_FIELDS = {"global_shape", "global_offset", "placements", "mesh_shape"}
@@ -399,7 +409,7 @@ class _Checker:
         device = doc.get("device", "cpu")
         if not isinstance(device, str):
             raise self.fail(f"{what}: device must be a string, found {_show(device)}")
-        return Entry(
+        return _BLANK.but(
             path=path, kind=kind, dtype=name, shape=shape, offset=offset, nbytes=nbytes,
             first_chunk=first_chunk, checksums=None if sums is None else tuple(sums),
             shard=self.shard(doc.get("shard"), what, len(shape)), device=device,

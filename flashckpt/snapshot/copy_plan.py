@@ -42,19 +42,21 @@ class CopyPlan:
     one_by_one: list[int]  # host leaves of a dtype without a copy kernel
     on_device: list[int]  # leaves the device copier takes
 
-    def host_copy(self, leaves: list[Leaf]) -> None:
-        """Copy the host leaves into the slot (synchronously)."""
+    def host_copy(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the host tensors (``tensors``: this save's, in entry order) into the slot."""
         views = self.views
-        if self.batched:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.batched:
                 torch._foreach_copy_([views[i] for i in self.batched],
-                                     [leaves[i].tensor for i in self.batched])  # fmt: skip
-        for i in self.one_by_one:
-            copy_into(views[i], leaves[i].tensor)
+                                     [tensors[i] for i in self.batched])  # fmt: skip
+            for i in self.one_by_one:
+                copy_into(views[i], tensors[i])
 
-    def device_pairs(self, leaves: list[Leaf]) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
-        views = self.views
-        return [(views[i], leaves[i].tensor, leaves[i].path) for i in self.on_device]
+    def device_pairs(
+        self, tensors: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        views, entries = self.views, self.layout.entries
+        return [(views[i], tensors[i], entries[i].path) for i in self.on_device]
 
 
 class CopyPlans:

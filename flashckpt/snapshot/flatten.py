@@ -247,6 +247,7 @@ class Layout:
     entries: tuple[Entry, ...]
     data_len: int
     n_chunks: int
+    replicated: bool = False  # some entry is the same on every rank of the replica group
 
 
 _PATH_KIND = operator.attrgetter("path", "kind", "shard", "replicated")
@@ -284,7 +285,7 @@ def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = Non
         entries.append(entry)
         chunk += entry.n_chunks(chunk_size)
         offset = align(offset + nbytes)
-    return Layout(sig, tuple(entries), offset, chunk)
+    return Layout(sig, tuple(entries), offset, chunk, any(e.replicated for e in entries))
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:

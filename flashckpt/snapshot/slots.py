@@ -11,7 +11,9 @@ import fcntl
 import logging
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +122,42 @@ class Snapshot:
         return self.slot.seq() == self.header.seq
 
 
+_PARSED: OrderedDict[tuple[bytes, tuple[int, ...] | None], Manifest] = OrderedDict()
+_PARSED_MAX = 4
+_parsed_lock = threading.Lock()
+
+
+def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader) -> Manifest:
+    """The manifest of ``raw`` with checksums ``sums``, parsed and checked once per distinct
+    bytes: a restore reads each slot's manifest when it lists the snapshots and again when it
+    loads one, and at thousands of entries a parse costs tens of milliseconds. The same bytes
+    parse to the same manifest, so what was checked stands (a failure is never kept); the
+    header is checked against it on every read."""
+    key = (raw, sums)
+    with _parsed_lock:
+        manifest = _PARSED.get(key)
+        if manifest is not None:
+            _PARSED.move_to_end(key)
+    fresh = manifest is None
+    if fresh:
+        manifest = Manifest.from_json(raw, source=f"{slot.path}")
+    found = (manifest.step, manifest.data_len, manifest.n_chunks, manifest.generation)
+    if found != (h.step, h.data_len, h.n_chunks, h.generation):
+        raise ManifestError(
+            f"{slot.path}: the header says step {h.step}, {h.data_len} bytes, {h.n_chunks} "
+            f"chunks, generation {h.generation}; its manifest says step {found[0]}, "
+            f"{found[1]} bytes, {found[2]} chunks, generation {found[3]}"
+        )
+    if fresh:
+        if sums is not None:
+            manifest = manifest.with_checksums(sums)
+        with _parsed_lock:
+            _PARSED[key] = manifest
+            while len(_PARSED) > _PARSED_MAX:
+                _PARSED.popitem(last=False)
+    return manifest
+
+
 @contextlib.contextmanager
 def read_locked(slot: Slot, timeout: float = 5.0) -> Iterator[Snapshot | None]:
     """Yield the slot's READY snapshot under a shared lock, or None if it has none."""
@@ -133,17 +171,7 @@ def read_locked(slot: Slot, timeout: float = 5.0) -> Iterator[Snapshot | None]:
             yield None
             return
         raw = slot.manifest_bytes(h)
-        manifest = Manifest.from_json(raw, source=f"{slot.path}")
-        found = (manifest.step, manifest.data_len, manifest.n_chunks, manifest.generation)
-        if found != (h.step, h.data_len, h.n_chunks, h.generation):
-            raise ManifestError(
-                f"{slot.path}: the header says step {h.step}, {h.data_len} bytes, {h.n_chunks} "
-                f"chunks, generation {h.generation}; its manifest says step {found[0]}, "
-                f"{found[1]} bytes, {found[2]} chunks, generation {found[3]}"
-            )
-        sums = slot.checksums(h)
-        if sums is not None:
-            manifest = manifest.with_checksums(sums)
+        manifest = _parsed(raw, slot.checksums(h), slot, h)
         yield Snapshot(slot, h, manifest)
     finally:
         slot.unlock()

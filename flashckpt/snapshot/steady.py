@@ -1,0 +1,283 @@
+"""The steady save: a state whose structure did not change is walked without building its tree.
+
+A real rank's state holds thousands of tensors and almost never changes shape between saves:
+the same keys, the same containers, the same tensor dtypes, shapes and devices. Building the
+manifest tree again on every save (a few objects per tensor) costs more than copying small
+tensors. So after a full walk (``flatten``) the walk is compiled into a program that, on the
+next save, only fetches the values in the same order and checks that they still fit:
+
+- every container has the same type and keys (key types included), every list its length;
+- every tensor is a tensor again (a DTensor again, with the same shard), and the layout's
+  dtypes, shapes, devices and layouts match (checked in one C-level pass over all tensors);
+- the scalars (learning rates, step counts, an optimizer's parameter ids) are collected; when
+  they changed, the tree's JSON is made again from a template with them filled in.
+
+Whatever does not fit (a new key, a reshaped tensor, an ndarray or pickled leaf, which is
+recomputed every save anyway) sends the save down the full walk, which compiles the program
+again. Stateful objects' ``state_dict()`` is called on every save, so an optimizer's state
+tensors replaced by ``load_state_dict`` are the ones copied.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..format.manifest import encode_scalar
+from .flatten import _PLAIN, Layout, Leaf, flatten, is_dtensor, is_stateful, plan_layout
+from .flatten import tensor_source as _tensor_source
+
+_META = operator.attrgetter("dtype", "shape", "device", "layout")
+_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, torch.dtype, torch.device))
+_KEY_TYPES = frozenset((str, int))
+_MARK = "\x00flashckpt-scalar\x00"
+_MARK_JSON = json.dumps(_MARK)
+
+
+class Unfit(Exception):
+    """The state no longer fits the compiled walk."""
+
+
+# ---- the program: nested tuples, one per node of the tree ------------------------------
+# ("T",)                        a plain tensor
+# ("D", path)                   a DTensor (its local shard is what is copied)
+# ("S",)                        a scalar
+# ("I", n)                      a list of n ints (an optimizer's parameter ids): one scalar
+# ("TD", cls, keys, key_types)  a mapping whose values are all plain tensors
+# ("M", cls, keys, key_types, children)
+# ("L", cls, children)          a list or tuple
+# ("F", child)                  a Stateful object: child runs on its state_dict()
+
+
+def _compile(node: Any, value: Any, path: str, spots: list) -> tuple:
+    """The op for tree ``node`` built from ``value``; raises Unfit for what the steady walk
+    does not take. ``spots`` receives (container, index) of every scalar op's tree node, in
+    walk order."""
+    tag = node.get("t") if isinstance(node, dict) else None
+    if tag == "stateful":
+        if not is_stateful(value):
+            raise Unfit(path)
+        return ("F", _compile(node["v"], value.state_dict(), path, spots))
+    if tag == "tensor":
+        if type(value) in _PLAIN:
+            return ("T",)
+        if is_dtensor(value):
+            return ("D", path)
+        raise Unfit(path)
+    if tag in ("ndarray", "pickle"):
+        raise Unfit(path)  # rebuilt from the object every save
+    if tag == "dict":
+        if not isinstance(value, Mapping):
+            raise Unfit(path)
+        keys = list(value)
+        key_types = list(map(type, keys))
+        if not set(key_types) <= _KEY_TYPES:
+            raise Unfit(path)
+        items = node["items"]
+        if all(isinstance(v, dict) and v.get("t") == "tensor" for _, v in items) and (
+            set(map(type, value.values())) <= set(_PLAIN)
+        ):
+            return ("TD", type(value), keys, key_types)
+        children = []
+        for k, pair, v in zip(keys, items, value.values(), strict=True):
+            children.append(_compile(pair[1], v, f"{path}/{k}", spots))
+            _spot(pair, 1, spots, children[-1])  # in walk order, after what it nests
+        return ("M", type(value), keys, key_types, children)
+    if tag in ("list", "tuple"):
+        if type(value) is not (list if tag == "list" else tuple):
+            raise Unfit(path)
+        items = node["items"]
+        if tag == "list" and items and set(map(type, value)) == {int}:
+            return ("I", len(value))
+        children = []
+        for i, (v, x) in enumerate(zip(items, value, strict=True)):
+            children.append(_compile(v, x, f"{path}/{i}", spots))
+            _spot(items, i, spots, children[-1])
+        return ("L", type(value), children)
+    if type(value) in _SCALAR_TYPES:
+        return ("S",)
+    raise Unfit(path)
+
+
+def _spot(container: Any, index: int, spots: list, op: tuple) -> None:
+    if op[0] in ("S", "I"):
+        spots.append((container, index))
+
+
+def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> None:
+    kind = op[0]
+    if kind == "T":
+        if type(value) not in _PLAIN:
+            raise Unfit
+        tensors.append(value)
+    elif kind == "TD":
+        if type(value) is not op[1]:
+            raise Unfit
+        keys = list(value)
+        if keys != op[2] or list(map(type, keys)) != op[3]:
+            raise Unfit
+        vals = list(value.values())
+        if not set(map(type, vals)) <= _PLAIN_SET:
+            raise Unfit
+        tensors.extend(vals)
+    elif kind == "M":
+        if type(value) is not op[1]:
+            raise Unfit
+        keys = list(value)
+        if keys != op[2] or list(map(type, keys)) != op[3]:
+            raise Unfit
+        for child, v in zip(op[4], value.values(), strict=True):
+            _run(child, v, tensors, scalars, shards)
+    elif kind == "S":
+        if type(value) not in _SCALAR_TYPES:
+            raise Unfit
+        scalars.append(value)
+    elif kind == "I":
+        if type(value) is not list or len(value) != op[1] or set(map(type, value)) != {int}:
+            raise Unfit
+        scalars.append(tuple(value))
+    elif kind == "L":
+        if type(value) is not op[1] or len(value) != len(op[2]):
+            raise Unfit
+        for child, v in zip(op[2], value, strict=True):
+            _run(child, v, tensors, scalars, shards)
+    elif kind == "F":
+        if not is_stateful(value):
+            raise Unfit
+        _run(op[1], value.state_dict(), tensors, scalars, shards)
+    else:  # "D"
+        if not is_dtensor(value):
+            raise Unfit
+        local, shard = _tensor_source(value, op[1])
+        tensors.append(local)
+        shards.append(shard)
+
+
+_PLAIN_SET = frozenset(_PLAIN)
+
+
+def _scalar_json(value: Any) -> str:
+    if type(value) is tuple:  # an "I" block: the list node it stands for
+        return json.dumps({"t": "list", "items": list(value)}, separators=(",", ":"))
+    return json.dumps(encode_scalar(value), separators=(",", ":"), allow_nan=False)
+
+
+@dataclass
+class Walked:
+    """What a save needs of its state: the layout, the tensors to copy (in entry order), the
+    leaves of the last full walk (paths, kinds, shards), and the tree's JSON."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+    leaves: list[Leaf]
+    tree: Any  # the tree of the last full walk (its scalars may be older than tree_json's)
+    tree_json: str
+    full: bool  # whether this save walked in full
+
+
+class StateWalker:
+    """Walks a state for a save (see the module doc); one per Checkpointer."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.full_walks = 0  # how many saves walked in full (the first, and each change)
+        self._program: tuple | None = None
+        self._replicated: frozenset[str] = frozenset()
+        self._layout: Layout | None = None
+        self._leaves: list[Leaf] = []
+        self._tree: Any = None
+        self._meta: list = []
+        self._shards: list = []
+        self._scalars: list = []
+        self._scalar_types: list = []
+        self._parts: list[str] | None = None  # the tree's JSON around its scalars
+        self._tree_json = ""
+
+    def walk(self, state: Mapping[str, Any], replicated: frozenset[str],
+             layout: Layout | None) -> Walked:  # fmt: skip
+        """``layout``: the one the caller last used (kept while the structure is the same)."""
+        if self._program is not None and replicated == self._replicated:
+            tensors: list = []
+            scalars: list = []
+            shards: list = []
+            try:
+                _run(self._program, state, tensors, scalars, shards)
+            except (Unfit, ValueError):
+                pass
+            else:
+                if (list(map(_META, tensors)) == self._meta and shards == self._shards
+                        and self._fill(scalars)):  # fmt: skip
+                    assert self._layout is not None
+                    return Walked(self._layout, tensors, self._leaves, self._tree,
+                                  self._tree_json, full=False)  # fmt: skip
+        return self._full(state, replicated, layout)
+
+    def _fill(self, scalars: list) -> bool:
+        """The tree's JSON for ``scalars``; False if it cannot be made from the template."""
+        types = list(map(type, scalars))
+        if scalars == self._scalars and types == self._scalar_types:
+            return True
+        if self._parts is None or len(self._parts) != len(scalars) + 1:
+            return False
+        try:
+            filled = [self._parts[0]]
+            for value, part in zip(scalars, self._parts[1:], strict=True):
+                filled += (_scalar_json(value), part)
+        except (TypeError, ValueError):  # a scalar JSON cannot hold as it is: walk in full
+            return False
+        self._tree_json = "".join(filled)
+        self._scalars, self._scalar_types = scalars, types
+        return True
+
+    def _full(self, state: Mapping[str, Any], replicated: frozenset[str],
+              layout: Layout | None) -> Walked:  # fmt: skip
+        self.full_walks += 1
+        tree, leaves = flatten(state, replicated)
+        layout = plan_layout(leaves, self.chunk_size, layout)
+        tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
+        self._compile(state, tree, leaves, replicated, layout, tree_json)
+        return Walked(layout, [lf.tensor for lf in leaves], leaves, tree, tree_json, full=True)
+
+    def _compile(self, state: Mapping[str, Any], tree: Any, leaves: list[Leaf],
+                 replicated: frozenset[str], layout: Layout, tree_json: str) -> None:  # fmt: skip
+        """The program and template for the next saves, or none if the state does not fit."""
+        self._program = None
+        spots: list = []
+        try:
+            program = _compile(tree, state, "", spots)
+            tensors: list = []
+            scalars: list = []
+            shards: list = []
+            _run(program, state, tensors, scalars, shards)  # the program must see what flatten saw
+        except (Unfit, ValueError):
+            return
+        if len(tensors) != len(leaves) or len(scalars) != len(spots):
+            return
+        parts = self._template(tree, spots, len(scalars))
+        self._program, self._replicated, self._layout = program, replicated, layout
+        self._leaves, self._tree, self._tree_json = leaves, tree, tree_json
+        self._meta = list(map(_META, tensors))
+        self._shards, self._scalars = shards, scalars
+        self._scalar_types = list(map(type, scalars))
+        self._parts = parts
+
+    @staticmethod
+    def _template(tree: Any, spots: list, n: int) -> list[str] | None:
+        """The tree's JSON split around its scalars (None if a marker clashes with a value)."""
+        if not spots:
+            return None
+        saved = [container[index] for container, index in spots]
+        try:
+            for container, index in spots:
+                container[index] = _MARK
+            doc = json.dumps(tree, separators=(",", ":"), allow_nan=False)
+        finally:
+            for (container, index), value in zip(spots, saved, strict=True):
+                container[index] = value
+        parts = doc.split(_MARK_JSON)
+        return parts if len(parts) == n + 1 else None
