@@ -123,42 +123,55 @@ class Checkpointer:
             self._stepping_again = False
             if self._events is not None:
                 self._events.record("stepped", rank=self.rank, step=step)
-        with self._lock:
-            self._check_open()
-            keys, replicas = self._replicas(state)
-            with paused_gc():
-                walked = self._walker.walk(state, keys, self._layout)
-            layout = self._layout = walked.layout
-            if self._entries_json[0] is not layout:
-                self._entries_json = (layout, encode_entries(layout.entries))
-            manifest = Manifest(
-                self.job, self.rank, step, walked.tree, layout.entries, layout.data_len,
-                chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
-                lineage=self._lineage or Lineage(),
-                replicas=replicas if layout.replicated else None,
-                incarnation=self._incarnation,
-            )  # fmt: skip
-            raw = manifest.to_json(self._entries_json[1], walked.tree_json)
-            self._connect_agent()
-            need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
-            self._settle()
-            self._pair.claim()
-            beat = self._beat()
-            if beat is not None:
-                beat.phase(Phase.SAVE, step)
-            capacity = need + max(_MANIFEST_HEADROOM, len(raw))
-            self._prep.ready_target(need, capacity)
+        # No collection until what the save made is freed again (its frame is gone): at
+        # thousands of tensors a collection set off midway would find all of it alive. The
+        # snapshot's checksums start after that too: the sealer's thread would otherwise take
+        # the interpreter lock in turns with the freeing of thousands of tensors.
+        with self._lock, paused_gc():
+            after: list[Callable[[], None]] = []
             try:
-                self._snapshot(step, state, walked, manifest, raw, (need, capacity))
-            finally:  # other slots (a spare too, once needed) once the copy is queued
-                self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
-            if beat is not None:
-                beat.progress(step)
-            self._save_stall += time.perf_counter() - began
-            self._saves += 1
+                self._save(step, state, began, after)
+            finally:  # a published snapshot is sealed and told of whatever failed after it
+                for then in after:
+                    then()
+
+    def _save(self, step: int, state: Mapping[str, Any], began: float,
+              after: list[Callable[[], None]]) -> None:  # fmt: skip
+        self._check_open()
+        keys, replicas = self._replicas(state)
+        walked = self._walker.walk(state, keys, self._layout)
+        layout = self._layout = walked.layout
+        if self._entries_json[0] is not layout:
+            self._entries_json = (layout, encode_entries(layout.entries))
+        manifest = Manifest(
+            self.job, self.rank, step, walked.tree, layout.entries, layout.data_len,
+            chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
+            lineage=self._lineage or Lineage(),
+            replicas=replicas if layout.replicated else None,
+            incarnation=self._incarnation,
+        )  # fmt: skip
+        raw = manifest.to_json(self._entries_json[1], walked.tree_json)
+        self._connect_agent()
+        need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
+        self._settle()
+        self._pair.claim()
+        beat = self._beat()
+        if beat is not None:
+            beat.phase(Phase.SAVE, step)
+        capacity = need + max(_MANIFEST_HEADROOM, len(raw))
+        self._prep.ready_target(need, capacity)
+        try:
+            self._snapshot(step, state, walked, manifest, raw, (need, capacity), after)
+        finally:  # other slots (a spare too, once needed) once the copy is queued
+            self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
+        if beat is not None:
+            beat.progress(step)
+        self._save_stall += time.perf_counter() - began
+        self._saves += 1
 
     def _snapshot(self, step: int, state: Mapping[str, Any], walked: Walked, manifest: Manifest,
-                  raw: bytes, size: tuple[int, int]) -> None:  # fmt: skip
+                  raw: bytes, size: tuple[int, int],
+                  after: list[Callable[[], None]]) -> None:  # fmt: skip
         """Copy ``state`` into a free slot and publish it (CUDA: once its copies land)."""
         need, capacity = size
         in_use = self._pair.in_use
@@ -195,7 +208,7 @@ class Checkpointer:
                 return
             if pending is not None:
                 pending.wait()
-            self._publish(slot, manifest, raw)
+            self._publish(slot, manifest, raw, after)
         except BaseException:
             self._abandon(slot)
             raise
@@ -409,19 +422,29 @@ class Checkpointer:
         if fut is not None:
             fut.result()
 
-    def _publish(self, slot: Slot, manifest: Manifest, raw: bytes) -> None:
+    def _publish(self, slot: Slot, manifest: Manifest, raw: bytes,
+                 after: list[Callable[[], None]] | None = None) -> None:  # fmt: skip
+        """Make the snapshot readable, then have it checksummed and the agent told; those two
+        go to ``after`` when given (the caller runs them once its own work is done)."""
         slot.publish(manifest.step, manifest.data_len, raw, manifest.n_chunks, manifest.generation)
         seq = slot.seq()
         self._pair.written(slot)
         slot.unlock()
         self._sealer.release()
-        self._sealer.submit(slot, seq, manifest)
         self._last_saved = manifest.step
-        if self._agent is not None:
-            self._agent.notify(
-                self.rank, manifest.step, world_size=manifest.world_size or 0,
-                local_world_size=config.local_world_size(), generation=manifest.generation,
-            )  # fmt: skip
+
+        def seal_and_tell() -> None:
+            self._sealer.submit(slot, seq, manifest)
+            if self._agent is not None:
+                self._agent.notify(
+                    self.rank, manifest.step, world_size=manifest.world_size or 0,
+                    local_world_size=config.local_world_size(), generation=manifest.generation,
+                )  # fmt: skip
+
+        if after is None:
+            seal_and_tell()
+        else:
+            after.append(seal_and_tell)
 
     def _publish_after(
         self, pending: PendingCopy, slot: Slot, manifest: Manifest, raw: bytes
