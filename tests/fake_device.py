@@ -113,7 +113,10 @@ class SideStream:
         self._queue.put(("wait", ev))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._queue.put(("copy", dst, src))
+        self._queue.put(("copy", [dst], [src]))
+
+    def copy_many(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        self._queue.put(("copy", list(dsts), list(srcs)))
 
     def stop(self) -> None:
         self.release()
@@ -135,9 +138,10 @@ class SideStream:
                     self.fail_next_copy = False
                     self.error = "an illegal memory access was encountered (simulated)"
                     continue
-                item[1].copy_(item[2])
-                self.copies.append((item[2].numel() * item[2].element_size(),
-                                    threading.current_thread().name))  # fmt: skip
+                with torch.no_grad():
+                    torch._foreach_copy_(item[1], item[2])
+                name = threading.current_thread().name
+                self.copies += [(t.numel() * t.element_size(), name) for t in item[2]]
 
 
 class FakeDevice:
@@ -204,10 +208,10 @@ class FakeDevice:
         stream.copy(dst, src)
 
     def copy_many(self, stream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """One queued item, as one call queues every copy on a GPU."""
         self.copy_calls += 1
-        for dst, src in zip(dsts, srcs, strict=True):
-            assert not (src.is_conj() or src.is_neg()), "a lazy bit reached the device copy"
-            stream.copy(dst, src)
+        assert not any(s.is_conj() or s.is_neg() for s in srcs), "a lazy bit reached the copy"
+        stream.copy_many(dsts, srcs)
 
     def capturing(self) -> bool:
         return self.capture

@@ -236,7 +236,13 @@ def test_the_steady_walk_follows_scalars_and_falls_back_on_any_change(shm_dir):
 
     state = many(400)
     opt = state["optim"]
-    state["meta"] = {"epoch": 1, "lr_scale": 0.5, "name": "run", "flag": True, "dtype": torch.float16}
+    state["meta"] = {
+        "epoch": 1,
+        "lr_scale": 0.5,
+        "name": "run",
+        "flag": True,
+        "dtype": torch.float16,
+    }
     with Checkpointer(job="walk") as ck:
         walker = ck._walker
         for step in range(4):

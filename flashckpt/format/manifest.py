@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -175,13 +177,61 @@ class Manifest:
         ``require_checksums``: refuse entries stored without checksums (a tier copy always
         has them; a shared-memory manifest gets them from the slot once sealed).
         """
-        doc = load_json(raw, source, "manifest")
-        return _Checker(source).manifest(doc, require_checksums)
+        raw = raw.encode() if isinstance(raw, str) else raw
+        split = _split_entries(raw, source)
+        if split is None:
+            return _Checker(source).manifest(load_json(raw, source, "manifest"), require_checksums)
+        doc, entries_raw = split
+        doc["entries"] = None  # there, as JSON of its own
+        return _Checker(source).manifest(doc, require_checksums, entries_raw)
 
 
 def encode_entries(entries: tuple[Entry, ...]) -> str:
     """The JSON of a manifest's entries (see ``Manifest.to_json``)."""
     return json.dumps([e.to_doc() for e in entries], separators=(",", ":"), allow_nan=False)
+
+
+# Entries checked before, by their JSON and what their checks depend on: the manifests of
+# one layout's saves differ in their step, time and tree's scalars, never in their entries,
+# and at thousands of entries checking them is most of a parse.
+_ENTRIES: OrderedDict[tuple, tuple[Entry, ...]] = OrderedDict()
+_ENTRIES_MAX = 2
+_entries_lock = threading.Lock()
+_ENTRIES_KEY = b',"entries":'
+
+
+def _split_entries(raw: bytes, source: str) -> tuple[dict, bytes] | None:
+    """The manifest without its entries, and their JSON, for a manifest written as flashckpt
+    writes it (the entries last); None otherwise (then it is parsed whole). Sound for any
+    input: the rest must parse as a JSON object without an "entries" key, so the whole is
+    that object with the entries added, whatever bytes came."""
+    at = raw.rfind(_ENTRIES_KEY)
+    if at <= 1 or not raw.endswith(b"}"):
+        return None
+    try:
+        doc = json.loads(raw[:at] + b"}")
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or "entries" in doc:
+        return None
+    return doc, raw[at + len(_ENTRIES_KEY) : -1]
+
+
+def _checked_entries(checker: _Checker, raw: bytes, data_len: int, chunk_size: int,
+                     require_checksums: bool) -> tuple[Entry, ...]:  # fmt: skip
+    key = (raw, data_len, chunk_size, require_checksums)
+    with _entries_lock:
+        found = _ENTRIES.get(key)
+        if found is not None:
+            _ENTRIES.move_to_end(key)
+            return found
+    entries = checker.entries(load_json(raw, checker.source, "manifest's entries"), data_len,
+                              chunk_size, require_checksums)  # fmt: skip
+    with _entries_lock:
+        _ENTRIES[key] = entries
+        while len(_ENTRIES) > _ENTRIES_MAX:
+            _ENTRIES.popitem(last=False)
+    return entries
 
 
 def load_json(raw: bytes | str, source: str, what: str) -> Any:
@@ -276,7 +326,9 @@ class _Checker:
             )
         return doc
 
-    def manifest(self, doc: Any, require_checksums: bool) -> Manifest:
+    def manifest(self, doc: Any, require_checksums: bool,
+                 entries_raw: bytes | None = None) -> Manifest:  # fmt: skip
+        """``entries_raw``: the JSON of the entries, cut off ``doc`` (``_split_entries``)."""
         if not isinstance(doc, dict) or "format_version" not in doc:
             raise ManifestError(
                 f"{self.source} has no format_version; it is not a flashckpt manifest"
@@ -305,7 +357,23 @@ class _Checker:
         meta = doc.get("meta", {})
         if not isinstance(meta, dict):
             raise self.fail(f"meta must be a JSON object, found {_show(meta)}")
-        raw_entries = doc["entries"]
+        if entries_raw is None:
+            entries = self.entries(doc["entries"], data_len, chunk_size, require_checksums)
+        else:
+            entries = _checked_entries(self, entries_raw, data_len, chunk_size, require_checksums)
+        self.tree(doc["tree"], entries)
+        return Manifest(
+            job=doc["job"], rank=self.int_(doc["rank"], "rank"),
+            step=self.int_(doc["step"], "step"), tree=doc["tree"], entries=entries,
+            data_len=data_len, chunk_size=chunk_size, format_version=version,
+            checksum_algorithm=algorithm, created_at=created_at, world_size=world_size, meta=meta,
+            lineage=Lineage.from_doc(doc.get("lineage"), self.source),
+            replicas=self.replicas(doc.get("replicas")),
+            incarnation=self.int_(doc.get("incarnation", 0), "incarnation"),
+        )  # fmt: skip
+
+    def entries(self, raw_entries: Any, data_len: int, chunk_size: int,
+                require_checksums: bool) -> tuple[Entry, ...]:  # fmt: skip
         if not isinstance(raw_entries, list):
             raise self.fail(f"entries must be a list, found {_show(raw_entries)}")
         entries: list[Entry] = []
@@ -314,16 +382,7 @@ class _Checker:
             entry = self.entry(raw, f"entry {i}", data_len, chunk_size, chunks, require_checksums)
             chunks += entry.n_chunks(chunk_size)
             entries.append(entry)
-        self.tree(doc["tree"], entries)
-        return Manifest(
-            job=doc["job"], rank=self.int_(doc["rank"], "rank"),
-            step=self.int_(doc["step"], "step"), tree=doc["tree"], entries=tuple(entries),
-            data_len=data_len, chunk_size=chunk_size, format_version=version,
-            checksum_algorithm=algorithm, created_at=created_at, world_size=world_size, meta=meta,
-            lineage=Lineage.from_doc(doc.get("lineage"), self.source),
-            replicas=self.replicas(doc.get("replicas")),
-            incarnation=self.int_(doc.get("incarnation", 0), "incarnation"),
-        )  # fmt: skip
+        return tuple(entries)
 
     def replicas(self, doc: Any) -> tuple[int, int, int] | None:
         if doc is None:

@@ -128,17 +128,23 @@ class DeviceCopier:
     def copy(self, pairs: list[Pair], deferred: set[int]) -> PendingCopy:
         """Queue every copy, those of ``deferred`` storages after the fence; ``wait()`` on the
         result blocks until all have landed."""
-        by_device: dict[Hashable, list[Pair]] = {}
-        for pair in pairs:
-            by_device.setdefault(self.rt.device_of(pair[1]), []).append(pair)
+        devices = list(map(self.rt.device_of, [src for _, src, _ in pairs]))
+        if len(set(devices)) <= 1:  # the usual case: one device a rank
+            by_device = {devices[0]: pairs} if pairs else {}
+        else:
+            by_device = {}
+            for dev, pair in zip(devices, pairs, strict=True):
+                by_device.setdefault(dev, []).append(pair)
         pending = PendingCopy({}, [src for _, src, _ in pairs], [], self._outside)
         queued: list[Any] = []
         try:
             for dev, items in by_device.items():
                 early: list[Pair] = []
                 late: list[Pair] = []
-                for p in items:
-                    defer = storage_key(p[1]) in deferred and _version(p[1]) is not None
+                srcs = [src for _, src, _ in items]
+                keys = list(map(storage_key, srcs)) if deferred else [0] * len(items)
+                for p, key in zip(items, keys, strict=True):
+                    defer = key in deferred and _version(p[1]) is not None
                     (late if defer else early).append(p)
                 side = self._side(dev)
                 caller = self.rt.current_stream(dev)

@@ -35,13 +35,23 @@ _capturing: Callable[[], bool] = lambda: False  # noqa: E731  (the device runtim
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The address of the storage under ``t`` (0 for a tensor without one)."""
-    if is_dtensor(t):
-        t = t.to_local()
+    """The address of the storage under ``t`` (0 for a tensor without one). Asked for every
+    tensor of every save, so worked out from the tensor's own data pointer and offset (no
+    storage object is made); a DTensor's is its local shard's."""
+    if type(t) not in _PLAIN:
+        if is_dtensor(t):
+            t = t.to_local()
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without plain storage
+            return 0
     try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without plain storage
+        return t.data_ptr() - t.storage_offset() * t.element_size()
+    except RuntimeError:  # no storage (e.g. a functional tensor)
         return 0
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
