@@ -104,13 +104,13 @@ class KillSwitch:
         if self.plan.phase == MID_COPY:
             real_host_copy = copy_plan.CopyPlan.host_copy
 
-            def host_copy(plan, leaves):  # type: ignore[no-untyped-def]
+            def host_copy(plan, tensors):  # type: ignore[no-untyped-def]
                 if self._step != self._cut_at:
-                    return real_host_copy(plan, leaves)
+                    return real_host_copy(plan, tensors)
                 # Tensor by tensor, as the batched copy lays them down: part of tensor
                 # ``index`` lands in the slot, the rest never will.
                 for i in plan.batched + plan.one_by_one:
-                    dst, src = plan.views[i], leaves[i].tensor
+                    dst, src = plan.views[i], tensors[i]
                     if self._copies == self.plan.index:
                         n = int(src.numel() * self.plan.fraction)
                         dst.reshape(-1)[:n].copy_(src.reshape(-1)[:n])
