@@ -116,22 +116,12 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> N
             raise Unfit
         tensors.append(value)
     elif kind == "TD":
-        if type(value) is not op[1]:
-            raise Unfit
-        keys = list(value)
-        if keys != op[2] or list(map(type, keys)) != op[3]:
-            raise Unfit
-        vals = list(value.values())
+        vals = _same_mapping(op, value)
         if not set(map(type, vals)) <= _PLAIN_SET:
             raise Unfit
         tensors.extend(vals)
     elif kind == "M":
-        if type(value) is not op[1]:
-            raise Unfit
-        keys = list(value)
-        if keys != op[2] or list(map(type, keys)) != op[3]:
-            raise Unfit
-        for child, v in zip(op[4], value.values(), strict=True):
+        for child, v in zip(op[4], _same_mapping(op, value), strict=True):
             _run(child, v, tensors, scalars, shards)
     elif kind == "S":
         if type(value) not in _SCALAR_TYPES:
@@ -159,6 +149,16 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> N
 
 
 _PLAIN_SET = frozenset(_PLAIN)
+
+
+def _same_mapping(op: tuple, value: Any) -> list:
+    """The values of mapping ``value`` if it has the type and keys (and key types) of op's."""
+    if type(value) is not op[1]:
+        raise Unfit
+    keys = list(value)
+    if keys != op[2] or list(map(type, keys)) != op[3]:
+        raise Unfit
+    return list(value.values())
 
 
 def _scalar_json(value: Any) -> str:
