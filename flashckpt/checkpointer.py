@@ -195,7 +195,7 @@ class Checkpointer:
         self._sealer.cancel(slot)
         try:
             slot.begin_write()
-            plan = self._plans.plan(slot, walked.layout, walked.leaves)
+            plan = self._plans.plan(slot, walked.layout, walked.tensors)
             pending = None
             if plan.on_device:  # queued first: the host copies below run while they do
                 deferred = self._copier.deferrable(state.values())

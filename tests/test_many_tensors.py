@@ -277,3 +277,23 @@ def test_the_steady_walk_follows_scalars_and_falls_back_on_any_change(shm_dir):
         assert ck.restore(got, strict=False)[0] == 8
         assert got["meta"]["flag"] == 1 and type(got["meta"]["flag"]) is int
         assert torch.equal(got["meta"]["new"], torch.arange(3))
+
+
+def test_tensors_a_save_copied_are_not_kept_alive_after_they_are_replaced(shm_dir):
+    """The compiled walk keeps no tensor: an optimizer state replaced by load_state_dict is
+    freed (on a GPU, its memory goes back to the allocator)."""
+    import gc
+    import weakref
+
+    state = many(40)
+    with Checkpointer(job="alive") as ck:
+        ck.save(0, state)
+        ck.save(1, state)
+        first = next(iter(state["optim"].state.values()))
+        ref = weakref.ref(first["exp_avg"])
+        del first
+        state["optim"].load_state_dict(many(40, seed=2)["optim"].state_dict())
+        ck.save(2, state)
+        assert ck._walker.full_walks == 1
+        gc.collect()
+        assert ref() is None

@@ -17,7 +17,7 @@ import torch
 
 from ..format.manifest import Entry
 from ..format.slot import HEADER_SIZE, Slot
-from .flatten import Layout, Leaf, copy_into
+from .flatten import Layout, copy_into
 
 # Dtypes with no copy kernel: their bytes are copied as bytes (``copy_into``).
 NO_COPY_KERNEL = frozenset(
@@ -67,14 +67,15 @@ class CopyPlans:
         self._is_device = is_device
         self._plans: dict[int, CopyPlan] = {}
 
-    def plan(self, slot: Slot, layout: Layout, leaves: list[Leaf]) -> CopyPlan:
+    def plan(self, slot: Slot, layout: Layout, tensors: list[torch.Tensor]) -> CopyPlan:
+        """``tensors``: this save's, in entry order (their dtypes, shapes and devices are the
+        layout's)."""
         plan = self._plans.get(id(slot))
         if plan is not None and plan.buf is slot.buf and plan.layout is layout:
             return plan
         self._plans.pop(id(slot), None)  # its views go before the new ones are made
         batched, one_by_one, on_device, views = [], [], [], []
-        for i, (e, lf) in enumerate(zip(layout.entries, leaves, strict=True)):
-            t = lf.tensor
+        for i, (e, t) in enumerate(zip(layout.entries, tensors, strict=True)):
             views.append(entry_view(slot.buf, e, t))
             if self._is_device(t):
                 on_device.append(i)

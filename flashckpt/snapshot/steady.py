@@ -169,12 +169,12 @@ def _scalar_json(value: Any) -> str:
 
 @dataclass
 class Walked:
-    """What a save needs of its state: the layout, the tensors to copy (in entry order), the
-    leaves of the last full walk (paths, kinds, shards), and the tree's JSON."""
+    """What a save needs of its state: the layout, the tensors to copy (in entry order) and
+    the tree's JSON. Nothing here outlives the save's use of the tensors: the walker keeps no
+    tensor (a replaced optimizer state must be freed, on a GPU above all)."""
 
     layout: Layout
     tensors: list[torch.Tensor]
-    leaves: list[Leaf]
     tree: Any  # the tree of the last full walk (its scalars may be older than tree_json's)
     tree_json: str
     full: bool  # whether this save walked in full
@@ -189,7 +189,6 @@ class StateWalker:
         self._program: tuple | None = None
         self._replicated: frozenset[str] = frozenset()
         self._layout: Layout | None = None
-        self._leaves: list[Leaf] = []
         self._tree: Any = None
         self._meta: list = []
         self._shards: list = []
@@ -213,8 +212,8 @@ class StateWalker:
                 if (list(map(_META, tensors)) == self._meta and shards == self._shards
                         and self._fill(scalars)):  # fmt: skip
                     assert self._layout is not None
-                    return Walked(self._layout, tensors, self._leaves, self._tree,
-                                  self._tree_json, full=False)  # fmt: skip
+                    return Walked(self._layout, tensors, self._tree, self._tree_json,
+                                  full=False)  # fmt: skip
         return self._full(state, replicated, layout)
 
     def _fill(self, scalars: list) -> bool:
@@ -241,7 +240,7 @@ class StateWalker:
         layout = plan_layout(leaves, self.chunk_size, layout)
         tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
         self._compile(state, tree, leaves, replicated, layout, tree_json)
-        return Walked(layout, [lf.tensor for lf in leaves], leaves, tree, tree_json, full=True)
+        return Walked(layout, [lf.tensor for lf in leaves], tree, tree_json, full=True)
 
     def _compile(self, state: Mapping[str, Any], tree: Any, leaves: list[Leaf],
                  replicated: frozenset[str], layout: Layout, tree_json: str) -> None:  # fmt: skip
@@ -260,7 +259,7 @@ class StateWalker:
             return
         parts = self._template(tree, spots, len(scalars))
         self._program, self._replicated, self._layout = program, replicated, layout
-        self._leaves, self._tree, self._tree_json = leaves, tree, tree_json
+        self._tree, self._tree_json = tree, tree_json
         self._meta = list(map(_META, tensors))
         self._shards, self._scalars = shards, scalars
         self._scalar_types = list(map(type, scalars))
