@@ -297,3 +297,42 @@ def test_tensors_a_save_copied_are_not_kept_alive_after_they_are_replaced(shm_di
         assert ck._walker.full_walks == 1
         gc.collect()
         assert ref() is None
+
+
+def test_an_optimizer_filled_in_place_gets_its_settings_without_load_state_dict(shm_dir):
+    """A restore fills an optimizer's existing state tensors in place; torch's
+    load_state_dict (13 us a tensor) then runs only where it must: an optimizer class with
+    its own, a load hook, a state value that is not a tensor."""
+    from flashckpt.restore import optim_state
+
+    saved = many(40)
+    for group in saved["optim"].param_groups:
+        group["lr"], group["betas"] = 0.123, (0.8, 0.9)
+    with Checkpointer(job="inplace") as ck:
+        ck.save(0, saved)
+        target = many(40, seed=1)
+        before = [st["exp_avg"] for st in target["optim"].state.values()]
+        assert ck.restore(target) == 0
+        assert [st["exp_avg"] for st in target["optim"].state.values()] == before  # in place
+        group = target["optim"].param_groups[0]
+        assert group["lr"] == 0.123 and tuple(group["betas"]) == (0.8, 0.9)
+        assert_same(values(target), values(saved))
+
+        hooked = many(40, seed=2)
+        calls = []
+        hooked["optim"].register_load_state_dict_post_hook(lambda opt: calls.append(opt))
+        assert ck.restore(hooked) == 0 and calls == [hooked["optim"]]
+        assert hooked["optim"].param_groups[0]["lr"] == 0.123
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["calls"] = 3  # a scalar: load_state_dict sets it
+    sd = opt.state_dict()
+    assert not optim_state.loaded_in_place(opt, sd)
+
+    class Own(torch.optim.SGD):
+        def load_state_dict(self, state_dict):  # noqa: D102
+            super().load_state_dict(state_dict)
+
+    own = Own(model.parameters(), lr=0.1)
+    assert not optim_state.loaded_in_place(own, own.state_dict())

@@ -166,7 +166,8 @@ class Planner:
             sd = inner(src)
             if needs_load:
                 src.flush()  # device copies land before load_state_dict() sees the tensors
-                target.load_state_dict(sd)
+                if not optim_state.loaded_in_place(target, sd):
+                    target.load_state_dict(sd)
             if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
                 # Gradients are no part of a snapshot: none survive a rollback (a step cut
                 # short by a fault would otherwise add its own to the next one's).
