@@ -336,3 +336,35 @@ def test_an_optimizer_filled_in_place_gets_its_settings_without_load_state_dict(
 
     own = Own(model.parameters(), lr=0.1)
     assert not optim_state.loaded_in_place(own, own.state_dict())
+
+
+def test_manifests_with_the_entries_anywhere_are_read_alike():
+    """flashckpt writes a manifest's entries last and checks them once per distinct JSON; a
+    manifest with them elsewhere (an older flashckpt's order), with a key after them or
+    repeated, is read whole, as before."""
+    import json
+
+    from flashckpt.errors import ManifestError
+    from flashckpt.format.manifest import Manifest
+    from flashckpt.snapshot.flatten import flatten, plan_layout
+
+    tree, leaves = flatten({"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.int64)})
+    layout = plan_layout(leaves, 1 << 20)
+    m = Manifest("job", 0, 7, tree, layout.entries, layout.data_len)
+    ours = m.to_json()
+    assert ours.endswith(b"]}") and b',"entries":' in ours
+    doc = json.loads(ours)
+    older = {k: doc[k] for k in ("job", "rank", "step", "tree", "entries")}
+    older |= {k: v for k, v in doc.items() if k not in older}  # entries mid-way
+    for raw in (
+        ours,
+        json.dumps(older).encode(),
+        json.dumps(older, separators=(",", ":")).encode(),
+    ):
+        got = Manifest.from_json(raw)
+        assert (got.step, got.entries, got.data_len) == (7, m.entries, m.data_len)
+    repeated = ours[:-1] + b',"step":9}'  # a key after the entries: the last one counts
+    assert Manifest.from_json(repeated).step == 9
+    bad = ours.replace(b'"nbytes":12', b'"nbytes":13')
+    with pytest.raises(ManifestError, match="nbytes"):
+        Manifest.from_json(bad)

@@ -178,12 +178,16 @@ class Manifest:
         has them; a shared-memory manifest gets them from the slot once sealed).
         """
         raw = raw.encode() if isinstance(raw, str) else raw
-        split = _split_entries(raw, source)
-        if split is None:
-            return _Checker(source).manifest(load_json(raw, source, "manifest"), require_checksums)
-        doc, entries_raw = split
-        doc["entries"] = None  # there, as JSON of its own
-        return _Checker(source).manifest(doc, require_checksums, entries_raw)
+        split = _split_entries(raw)
+        if split is not None:
+            doc, entries_raw = split
+            doc["entries"] = None  # there, as JSON of its own
+            checker = _Checker(source)
+            try:
+                return checker.manifest(doc, require_checksums, entries_raw)
+            except _NotLast:
+                pass  # another writer's order (an older flashckpt's): parsed whole
+        return _Checker(source).manifest(load_json(raw, source, "manifest"), require_checksums)
 
 
 def encode_entries(entries: tuple[Entry, ...]) -> str:
@@ -200,11 +204,16 @@ _entries_lock = threading.Lock()
 _ENTRIES_KEY = b',"entries":'
 
 
-def _split_entries(raw: bytes, source: str) -> tuple[dict, bytes] | None:
+class _NotLast(Exception):
+    """What follows the last "entries" key is not one JSON value: they were not last."""
+
+
+def _split_entries(raw: bytes) -> tuple[dict, bytes] | None:
     """The manifest without its entries, and their JSON, for a manifest written as flashckpt
     writes it (the entries last); None otherwise (then it is parsed whole). Sound for any
-    input: the rest must parse as a JSON object without an "entries" key, so the whole is
-    that object with the entries added, whatever bytes came."""
+    input: the rest must parse as a JSON object without an "entries" key, and what follows
+    the key as one JSON value (else ``_NotLast``), so the whole is that object with the
+    entries added, whatever bytes came."""
     at = raw.rfind(_ENTRIES_KEY)
     if at <= 1 or not raw.endswith(b"}"):
         return None
@@ -212,8 +221,8 @@ def _split_entries(raw: bytes, source: str) -> tuple[dict, bytes] | None:
         doc = json.loads(raw[:at] + b"}")
     except (ValueError, RecursionError):
         return None
-    if not isinstance(doc, dict) or "entries" in doc:
-        return None
+    if not isinstance(doc, dict) or "entries" in doc or not _REQUIRED - {"entries"} <= doc.keys():
+        return None  # the entries are not last (an older flashckpt wrote them before these)
     return doc, raw[at + len(_ENTRIES_KEY) : -1]
 
 
@@ -225,8 +234,11 @@ def _checked_entries(checker: _Checker, raw: bytes, data_len: int, chunk_size: i
         if found is not None:
             _ENTRIES.move_to_end(key)
             return found
-    entries = checker.entries(load_json(raw, checker.source, "manifest's entries"), data_len,
-                              chunk_size, require_checksums)  # fmt: skip
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise _NotLast from None
+    entries = checker.entries(doc, data_len, chunk_size, require_checksums)
     with _entries_lock:
         _ENTRIES[key] = entries
         while len(_ENTRIES) > _ENTRIES_MAX:
