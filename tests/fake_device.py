@@ -158,6 +158,7 @@ class FakeDevice:
         self.copy_calls = 0  # copy_many() calls: one per device and fence side of a snapshot
         self.gate = device_module.CaptureGate()  # begin_capture()/end_capture() drive it
         self.during_capture = 0  # registrations that ran while a capture was counted
+        self.capture_wait_s = device_module.CAPTURE_WAIT_S
         self.waits: list[tuple[str, Hashable | None]] = []  # synchronize(): thread, device
         self.side: list[SideStream] = []
         self._host: dict[Hashable, HostStream] = {}
@@ -227,11 +228,14 @@ class FakeDevice:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def host_register(self, ptr: int, nbytes: int) -> str | None:
-        with self.gate.registering():
-            name = threading.current_thread().name
-            self.registered.append((name, self.current_device(), ptr, nbytes))
-            self.during_capture += self.gate.capturing
-            return self.refuse
+        try:
+            with self.gate.registering(self.capture_wait_s):
+                name = threading.current_thread().name
+                self.registered.append((name, self.current_device(), ptr, nbytes))
+                self.during_capture += self.gate.capturing
+                return self.refuse
+        except TimeoutError as exc:
+            return f"{exc}; not page-locked during it"
 
     def host_unregister(self, ptr: int) -> str | None:
         self.unregistered.append((threading.current_thread().name, ptr))

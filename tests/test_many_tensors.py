@@ -210,6 +210,18 @@ def test_no_slot_is_page_locked_during_a_capture_in_a_checkpointers_background(s
             assert fake.registered and fake.during_capture == 0
 
 
+def test_a_capture_that_does_not_end_delays_page_locking_only_for_a_while(shm_dir, caplog):
+    with installed() as fake:
+        fake.capture_wait_s = 0.2
+        with Checkpointer(job="long-capture") as ck:
+            assert fake.begin_capture("global")
+            ck.save(0, {"w": torch.randn(1 << 12)})
+            for fut in list(ck._prep.pending.values()):
+                fut.result(timeout=30)  # gave up waiting: no hang
+            assert fake.registered == [] and "graph is being captured" in caplog.text
+            fake.end_capture()
+
+
 def test_a_slot_being_page_locked_is_not_chosen_for_a_write(shm_dir):
     with Checkpointer(job="pinning") as ck:
         state = {"w": torch.ones(1000)}

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of the process
+CAPTURE_WAIT_S = 10.0  # how long a registration waits for a graph capture to end
 
 
 class Stream(Protocol):
@@ -121,9 +122,15 @@ class CaptureGate:
             return self._captures > 0
 
     @contextlib.contextmanager
-    def registering(self) -> Iterator[None]:
+    def registering(self, timeout: float = CAPTURE_WAIT_S) -> Iterator[None]:
+        """Hold captures off for the block, once none runs; TimeoutError if one still runs
+        after ``timeout`` (the registration is then tried again later: a capture that never
+        ends, or one whose thread waits on this one, must not hang either)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._captures == 0 and not self._registering)
+            if not self._cond.wait_for(
+                lambda: self._captures == 0 and not self._registering, timeout
+            ):
+                raise TimeoutError("a CUDA graph is being captured (global mode)")
             self._registering = True
         try:
             yield
@@ -232,10 +239,12 @@ class CudaRuntime:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def host_register(self, ptr: int, nbytes: int) -> str | None:
-        with self.gate.registering():
-            error = self._error(
-                self._cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)
-            )
+        try:
+            with self.gate.registering():
+                code = self._cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)
+        except TimeoutError as exc:
+            return f"{exc}; not page-locked during it"
+        error = self._error(code)
         if error is not None:
             self._clear_last_error()
         return error
