@@ -33,7 +33,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,31 +43,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
-BIN = Path(sys.executable).parent
 STEPS, FAULT_STEP = 40, 20
 NODES = NPROC = 2  # --nccl: one node of one rank (NCCL takes one GPU a rank)
 LAUNCHERS = {"flashckpt-run": [sys.executable, "-P", "-m", "flashckpt.faults.launcher"],
              "torchrun": [sys.executable, "-P", "-m", "torch.distributed.run"]}  # fmt: skip
+sys.path.insert(0, str(ROOT / "tests"))
+from ports import free_port, free_port_pair  # noqa: E402  (tests/ holds the job and its helpers)
+
 FAULTS = {"kill": f"kill:1:{FAULT_STEP}", "hang": f"stop:3:{FAULT_STEP}",
           "raise": f"raise:2:{FAULT_STEP}"}  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A free port whose next one is free too (the controller's and the recovery store's)."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),

@@ -13,13 +13,13 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, descendants
+from ports import free_port
 
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
@@ -52,12 +52,6 @@ def final(out: str) -> tuple[str, str]:
     found = FINAL.findall(out)
     assert len(found) == 1, f"expected one final line:\n{out[-4000:]}"
     return found[0][1], found[0][2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

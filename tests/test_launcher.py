@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, descendants
 from faults import poll
+from ports import free_port, free_port_pair
 
 from flashckpt.faults.events import events_path, read_events
 
@@ -32,25 +32,6 @@ TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
 NODES, PER_NODE = 2, 2
 TOKEN = "launcher-tests-" + uuid.uuid4().hex
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A free port whose next one is free too: the controller's, and the recovery store's
-    beside it (port + 1, as every node derives it)."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 @dataclass

@@ -29,7 +29,16 @@ from typing import Any
 import torch
 
 from ..format.manifest import encode_scalar
-from .flatten import _PLAIN, Layout, Leaf, flatten, is_dtensor, is_stateful, plan_layout
+from .flatten import (
+    _PLAIN,
+    _PLAIN_SET,
+    Layout,
+    Leaf,
+    flatten,
+    is_dtensor,
+    is_stateful,
+    plan_layout,
+)
 from .flatten import tensor_source as _tensor_source
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout")
@@ -54,19 +63,24 @@ class Unfit(Exception):
 # ("F", child)                  a Stateful object: child runs on its state_dict()
 
 
-def _compile(node: Any, value: Any, path: str, spots: list) -> tuple:
+def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, list, list]) -> tuple:
     """The op for tree ``node`` built from ``value``; raises Unfit for what the steady walk
-    does not take. ``spots`` receives (container, index) of every scalar op's tree node, in
-    walk order."""
+    does not take. ``spots`` receives (container, index) of every scalar op's tree node, and
+    ``got`` (tensors, scalars, shards) what ``_run`` would collect, both in walk order."""
+    tensors, scalars, shards = got
     tag = node.get("t") if isinstance(node, dict) else None
     if tag == "stateful":
         if not is_stateful(value):
             raise Unfit(path)
-        return ("F", _compile(node["v"], value.state_dict(), path, spots))
+        return ("F", _compile(node["v"], value.state_dict(), path, spots, got))
     if tag == "tensor":
         if type(value) in _PLAIN:
+            tensors.append(value)
             return ("T",)
         if is_dtensor(value):
+            local, shard = _tensor_source(value, path)
+            tensors.append(local)
+            shards.append(shard)
             return ("D", path)
         raise Unfit(path)
     if tag in ("ndarray", "pickle"):
@@ -80,12 +94,13 @@ def _compile(node: Any, value: Any, path: str, spots: list) -> tuple:
             raise Unfit(path)
         items = node["items"]
         if all(isinstance(v, dict) and v.get("t") == "tensor" for _, v in items) and (
-            set(map(type, value.values())) <= set(_PLAIN)
+            set(map(type, value.values())) <= _PLAIN_SET
         ):
+            tensors.extend(value.values())
             return ("TD", type(value), keys, key_types)
         children = []
         for k, pair, v in zip(keys, items, value.values(), strict=True):
-            children.append(_compile(pair[1], v, f"{path}/{k}", spots))
+            children.append(_compile(pair[1], v, f"{path}/{k}", spots, got))
             _spot(pair, 1, spots, children[-1])  # in walk order, after what it nests
         return ("M", type(value), keys, key_types, children)
     if tag in ("list", "tuple"):
@@ -93,13 +108,15 @@ def _compile(node: Any, value: Any, path: str, spots: list) -> tuple:
             raise Unfit(path)
         items = node["items"]
         if tag == "list" and items and set(map(type, value)) == {int}:
+            scalars.append(tuple(value))
             return ("I", len(value))
         children = []
         for i, (v, x) in enumerate(zip(items, value, strict=True)):
-            children.append(_compile(v, x, f"{path}/{i}", spots))
+            children.append(_compile(v, x, f"{path}/{i}", spots, got))
             _spot(items, i, spots, children[-1])
         return ("L", type(value), children)
     if type(value) in _SCALAR_TYPES:
+        scalars.append(value)
         return ("S",)
     raise Unfit(path)
 
@@ -148,9 +165,6 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> N
         shards.append(shard)
 
 
-_PLAIN_SET = frozenset(_PLAIN)
-
-
 def _same_mapping(op: tuple, value: Any) -> list:
     """The values of mapping ``value`` if it has the type and keys (and key types) of op's."""
     if type(value) is not op[1]:
@@ -177,7 +191,6 @@ class Walked:
     tensors: list[torch.Tensor]
     tree: Any  # the tree of the last full walk (its scalars may be older than tree_json's)
     tree_json: str
-    full: bool  # whether this save walked in full
 
 
 class StateWalker:
@@ -196,6 +209,7 @@ class StateWalker:
         self._scalar_types: list = []
         self._parts: list[str] | None = None  # the tree's JSON around its scalars
         self._tree_json = ""
+        self._unfit: Layout | None = None  # the layout whose state the last compile refused
 
     def walk(self, state: Mapping[str, Any], replicated: frozenset[str],
              layout: Layout | None) -> Walked:  # fmt: skip
@@ -212,8 +226,7 @@ class StateWalker:
                 if (list(map(_META, tensors)) == self._meta and shards == self._shards
                         and self._fill(scalars)):  # fmt: skip
                     assert self._layout is not None
-                    return Walked(self._layout, tensors, self._tree, self._tree_json,
-                                  full=False)  # fmt: skip
+                    return Walked(self._layout, tensors, self._tree, self._tree_json)
         return self._full(state, replicated, layout)
 
     def _fill(self, scalars: list) -> bool:
@@ -240,22 +253,27 @@ class StateWalker:
         layout = plan_layout(leaves, self.chunk_size, layout)
         tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
         self._compile(state, tree, leaves, replicated, layout, tree_json)
-        return Walked(layout, [lf.tensor for lf in leaves], tree, tree_json, full=True)
+        return Walked(layout, [lf.tensor for lf in leaves], tree, tree_json)
 
     def _compile(self, state: Mapping[str, Any], tree: Any, leaves: list[Leaf],
                  replicated: frozenset[str], layout: Layout, tree_json: str) -> None:  # fmt: skip
-        """The program and template for the next saves, or none if the state does not fit."""
+        """The program and template for the next saves, or none if the state does not fit
+        (then not tried again while the layout stays the same: a state with an ndarray or a
+        pickled leaf walks in full on every save, and pays for no compile on top)."""
         self._program = None
+        if layout is self._unfit:
+            return
         spots: list = []
+        tensors: list = []
+        scalars: list = []
+        shards: list = []
         try:
-            program = _compile(tree, state, "", spots)
-            tensors: list = []
-            scalars: list = []
-            shards: list = []
-            _run(program, state, tensors, scalars, shards)  # the program must see what flatten saw
+            program = _compile(tree, state, "", spots, (tensors, scalars, shards))
         except (Unfit, ValueError):
+            self._unfit = layout
             return
         if len(tensors) != len(leaves) or len(scalars) != len(spots):
+            self._unfit = layout
             return
         parts = self._template(tree, spots, len(scalars))
         self._program, self._replicated, self._layout = program, replicated, layout
