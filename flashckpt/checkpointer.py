@@ -27,7 +27,7 @@ from .safe_paths import write_atomic
 from .snapshot import device
 from .snapshot.copy_plan import CopyPlans
 from .snapshot.device_copy import DeviceCopier, PendingCopy
-from .snapshot.flatten import Layout, flatten, paused_gc, plan_layout
+from .snapshot.flatten import Layout, paused_gc
 from .snapshot.replicas import ReplicaFinder
 from .snapshot.sealer import Sealer
 from .snapshot.slot_prep import SlotPreparer
@@ -95,6 +95,7 @@ class Checkpointer:
         self._prep = SlotPreparer(self._pair, self._rt)
         self._plans = CopyPlans(self._rt.is_device_tensor)  # the slots' views, per layout
         self._walker = StateWalker(chunk_size)  # the state's walk, compiled once it is steady
+        self._restore_walker = StateWalker(chunk_size)  # the same, of what restores go into
         self._pending: Future | None = None  # a device snapshot still being copied
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
         # Made now: in overlapped mode it watches optimizer steps from the first one on.
@@ -232,12 +233,12 @@ class Checkpointer:
         allow = self.allow_pickle if allow_pickle is None else allow_pickle
         with self._lock, self._released_on_error(), paused_gc():
             self._check_open()
-            tree, leaves = flatten(state, self._replicas(state)[0])
-            layout = self._layout = plan_layout(leaves, self.chunk_size, self._layout)
+            walked = self._restore_walker.walk(state, self._replicas(state)[0], self._layout)
+            layout = self._layout = walked.layout
             if self._entries_json[0] is not layout:
                 self._entries_json = (layout, encode_entries(layout.entries))
-            raw = Manifest(self.job, self.rank, 0, tree, layout.entries,
-                           layout.data_len).to_json(self._entries_json[1])  # fmt: skip
+            raw = Manifest(self.job, self.rank, 0, walked.tree, layout.entries,
+                           layout.data_len).to_json(self._entries_json[1], walked.tree_json)  # fmt: skip
             capacity = required_capacity(layout.data_len, len(raw), layout.n_chunks) + max(
                 _MANIFEST_HEADROOM, len(raw)
             )
@@ -252,7 +253,8 @@ class Checkpointer:
             self._pair.open_existing()
             self._connect_agent()
             unmatched: list = []
-            opts = {"key_map": key_map, **({} if strict else {"unmatched": unmatched})}
+            opts = {"key_map": key_map, "walked": walked,
+                    **({} if strict else {"unmatched": unmatched})}  # fmt: skip
             with self._sealer.paused():  # a restore right after a save has the cores
                 restored = self._restore(state, step, allow, opts)
             if beat is not None:  # the first step after a restore gets the start-up budget
@@ -262,9 +264,7 @@ class Checkpointer:
                                     seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
             self._stepping_again = restored is not None
             # Ready the slots off the training step, the one the first save() goes to first.
-            self._prep.the_rest_in_background(
-                capacity, self._device_of([lf.tensor for lf in leaves])
-            )
+            self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "

@@ -103,6 +103,15 @@ class Entry:
         ]
 
 
+def _with_checksums(entry: Entry, checksums: tuple[int, ...]) -> Entry:
+    """``entry.but(checksums=...)`` at a third of its cost (thousands per restore)."""
+    new = object.__new__(Entry)
+    fields_ = entry.__dict__.copy()
+    fields_["checksums"] = checksums
+    object.__setattr__(new, "__dict__", fields_)
+    return new
+
+
 @dataclass(frozen=True)
 class Manifest:
     job: str
@@ -132,6 +141,15 @@ class Manifest:
     def n_chunks(self) -> int:
         return sum(e.n_chunks(self.chunk_size) for e in self.entries)
 
+    @functools.cached_property
+    def tree_json(self) -> str:
+        """The tree's JSON as a save writes it ("" if it cannot be: a NaN read back), for a
+        restore to see whether the live state holds the same structure and scalars."""
+        try:
+            return json.dumps(self.tree, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            return ""
+
     @property
     def sealed(self) -> bool:
         return all(e.checksums is not None for e in self.entries if e.nbytes)
@@ -141,11 +159,20 @@ class Manifest:
         if len(flat) != self.n_chunks:
             raise ManifestError(f"{len(flat)} checksums for {self.n_chunks} chunks")
         cs = self.chunk_size
-        entries = tuple(
-            e.but(checksums=tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
-            for e in self.entries
-        )
-        return replace(self, entries=entries)
+        mine = self.entries
+        if len(flat) == len(mine) and all(0 < e.nbytes <= cs for e in mine):
+            # One chunk each (the usual state of many small tensors): in entry order.
+            entries = tuple(map(_with_checksums, mine, zip(flat)))
+        else:
+            entries = tuple(
+                _with_checksums(e, tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
+                for e in mine
+            )
+        out = replace(self, entries=entries)
+        for same in ("tree_json", "n_chunks"):  # the same tree and chunks: not made again
+            if same in self.__dict__:
+                out.__dict__[same] = self.__dict__[same]
+        return out
 
     # ---- JSON ------------------------------------------------------------------------
     def to_json(self, entries_json: str | None = None, tree_json: str | None = None) -> bytes:
@@ -180,13 +207,17 @@ class Manifest:
         raw = raw.encode() if isinstance(raw, str) else raw
         split = _split_entries(raw)
         if split is not None:
-            doc, entries_raw = split
+            doc, entries_raw, tree_raw = split
             doc["entries"] = None  # there, as JSON of its own
             checker = _Checker(source)
             try:
-                return checker.manifest(doc, require_checksums, entries_raw)
+                manifest = checker.manifest(doc, require_checksums, entries_raw, tree_raw)
             except _NotLast:
                 pass  # another writer's order (an older flashckpt's): parsed whole
+            else:
+                if tree_raw is not None:  # the tree's own text: no need to encode it again
+                    manifest.__dict__["tree_json"] = tree_raw.decode()
+                return manifest
         return _Checker(source).manifest(load_json(raw, source, "manifest"), require_checksums)
 
 
@@ -202,28 +233,74 @@ _ENTRIES: OrderedDict[tuple, tuple[Entry, ...]] = OrderedDict()
 _ENTRIES_MAX = 2
 _entries_lock = threading.Lock()
 _ENTRIES_KEY = b',"entries":'
+_TREE_KEY = b',"tree":'
+_TREES: OrderedDict[tuple[bytes, int], tuple[Entry, ...]] = OrderedDict()  # trees checked
 
 
 class _NotLast(Exception):
     """What follows the last "entries" key is not one JSON value: they were not last."""
 
 
-def _split_entries(raw: bytes) -> tuple[dict, bytes] | None:
-    """The manifest without its entries, and their JSON, for a manifest written as flashckpt
-    writes it (the entries last); None otherwise (then it is parsed whole). Sound for any
-    input: the rest must parse as a JSON object without an "entries" key, and what follows
-    the key as one JSON value (else ``_NotLast``), so the whole is that object with the
-    entries added, whatever bytes came."""
+def _split_entries(raw: bytes) -> tuple[dict, bytes, bytes | None] | None:
+    """The manifest without its entries, their JSON, and the tree's JSON where it is the
+    last field before them, for a manifest written as flashckpt writes it (the tree, then
+    the entries, last); None otherwise (then it is parsed whole). Sound for any input: the
+    rest must parse as a JSON object without an "entries" key, and what follows the key as
+    one JSON value (else ``_NotLast``), so the whole is that object with the entries added,
+    whatever bytes came; the same holds for the tree (``_split_tree``)."""
     at = raw.rfind(_ENTRIES_KEY)
     if at <= 1 or not raw.endswith(b"}"):
         return None
+    head = raw[:at]
+    split = _split_tree(head)
+    if split is not None:
+        return split[0], raw[at + len(_ENTRIES_KEY) : -1], split[1]
     try:
-        doc = json.loads(raw[:at] + b"}")
+        doc = json.loads(head + b"}")
     except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or "entries" in doc or not _REQUIRED - {"entries"} <= doc.keys():
         return None  # the entries are not last (an older flashckpt wrote them before these)
-    return doc, raw[at + len(_ENTRIES_KEY) : -1]
+    return doc, raw[at + len(_ENTRIES_KEY) : -1], None
+
+
+def _split_tree(head: bytes) -> tuple[dict, bytes] | None:
+    """``head`` (a manifest cut before its entries) parsed, with its tree's own JSON, where
+    the tree is its last field; None otherwise. A JSON string holds no bare quote, so the
+    first ``,"tree":`` is a key; the text before it must close as an object holding every
+    other required field and no tree or entries (so the key is the object's own, not a
+    nested one's), and the text after it must be one JSON value."""
+    at = head.find(_TREE_KEY)
+    if at <= 1:
+        return None
+    try:
+        doc = json.loads(head[:at] + b"}")
+        tree = json.loads(head[at + len(_TREE_KEY) :])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or "tree" in doc or "entries" in doc:
+        return None
+    if not _REQUIRED - {"entries", "tree"} <= doc.keys():
+        return None
+    doc["tree"] = tree
+    return doc, head[at + len(_TREE_KEY) :]
+
+
+def _checked_tree(checker: _Checker, tree: Any, entries: tuple[Entry, ...], raw: bytes) -> None:
+    """``checker.tree``, once per tree text and entries: the saves of a state whose scalars
+    did not move write the same tree, and at thousands of tensors its check costs more than
+    copying them. What passed is kept; a failure is never kept."""
+    key = (raw, id(entries))
+    with _entries_lock:
+        held = _TREES.get(key)
+        if held is entries:
+            _TREES.move_to_end(key)
+            return
+    checker.tree(tree, entries)
+    with _entries_lock:
+        _TREES[key] = entries  # held: its id stays its own while the key lives
+        while len(_TREES) > _ENTRIES_MAX:
+            _TREES.popitem(last=False)
 
 
 def _checked_entries(checker: _Checker, raw: bytes, data_len: int, chunk_size: int,
@@ -338,9 +415,10 @@ class _Checker:
             )
         return doc
 
-    def manifest(self, doc: Any, require_checksums: bool,
-                 entries_raw: bytes | None = None) -> Manifest:  # fmt: skip
-        """``entries_raw``: the JSON of the entries, cut off ``doc`` (``_split_entries``)."""
+    def manifest(self, doc: Any, require_checksums: bool, entries_raw: bytes | None = None,
+                 tree_raw: bytes | None = None) -> Manifest:  # fmt: skip
+        """``entries_raw``, ``tree_raw``: the JSON of the entries and of the tree, cut off
+        ``doc`` (``_split_entries``)."""
         if not isinstance(doc, dict) or "format_version" not in doc:
             raise ManifestError(
                 f"{self.source} has no format_version; it is not a flashckpt manifest"
@@ -373,7 +451,10 @@ class _Checker:
             entries = self.entries(doc["entries"], data_len, chunk_size, require_checksums)
         else:
             entries = _checked_entries(self, entries_raw, data_len, chunk_size, require_checksums)
-        self.tree(doc["tree"], entries)
+        if tree_raw is None:
+            self.tree(doc["tree"], entries)
+        else:
+            _checked_tree(self, doc["tree"], entries, tree_raw)
         return Manifest(
             job=doc["job"], rank=self.int_(doc["rank"], "rank"),
             step=self.int_(doc["step"], "step"), tree=doc["tree"], entries=entries,

@@ -1,12 +1,17 @@
 """Copying a snapshot's stored bytes into the tensors of a live state, verified on every core.
 
 A ``Source`` is the data region of one rank's snapshot, wherever it is (a slot, a buffer read
-from a tier). ``copy_to`` queues an entry for its target tensor; ``flush()`` copies everything
-queued in one pass over all its chunks, split evenly over the restore workers, each chunk's
-crc32c checked against the manifest, and returns once every byte has landed:
+from a tier). ``copy_to`` (``copy_many`` for a whole state) queues entries for their target
+tensors; ``flush()`` copies everything queued in one pass over all its chunks, split evenly
+over the restore workers, each chunk's crc32c checked against the manifest, and returns once
+every byte has landed:
 
-* into host tensors: a worker copies a piece and checksums the bytes that landed while they
-  are still in its cache, so verifying costs a second read of cache, not of memory;
+* into host tensors: a worker copies a chunk (a piece at a time for a large one) and
+  checksums the source bytes it just read while they are still in its cache, so verifying
+  costs a second read of cache, not of memory. The source is read under its reader's lock
+  (a slot's, or a private buffer), so the bytes checked are the bytes copied. Per chunk the
+  worker does a copy and a checksum call and nothing else: at thousands of small tensors the
+  Python around them is what a restore costs;
 * into device tensors: a worker copies a piece into one of its own page-locked staging
   buffers, checksums it there and uploads it from there on a copy stream of the device,
   reusing a buffer once its upload has landed; so checksums, host copies and the DMA all run
@@ -24,6 +29,7 @@ import bisect
 import ctypes
 import functools
 import itertools
+import operator
 import os
 import threading
 import weakref
@@ -44,6 +50,7 @@ _PIECE = 1 << 19  # host copies: checked right after its copy, while still in th
 _STAGE = 4 << 20  # one staging buffer of a device upload
 _RING = 3  # staging buffers per worker: one filling, the others uploading
 _N_WORKERS = max(1, min(8, os.cpu_count() or 1))
+_SHARED_MIN = 48 << 10  # host chunks smaller on average are copied by one thread
 
 Queued = tuple[torch.Tensor, Entry, int]  # (target, entry, chunk size)
 Bad = tuple[int, int, int]  # (queued item, chunk, crc found)
@@ -81,6 +88,13 @@ def _byte_copyable(dst: torch.Tensor, nbytes: int) -> bool:
     )  # fmt: skip
 
 
+_NBYTES = operator.attrgetter("nbytes")
+_OFFSET = operator.attrgetter("offset")
+_CHECKSUMS = operator.attrgetter("checksums")
+_FIRST = operator.itemgetter(0)
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
 def _bytes_of(dst: torch.Tensor) -> torch.Tensor:
     return dst.detach().reshape(-1).view(torch.uint8)
 
@@ -95,6 +109,52 @@ def _spread(sizes: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
 
 
+class _HostChunks:
+    """Chunks queued for host targets, one column per field (the usual state's thousands of
+    one-chunk entries are queued in a few C-level passes, and copied without a tuple each)."""
+
+    def __init__(self) -> None:
+        self.owner: list[tuple[Entry, int, int]] = []  # (entry, chunk size, chunk index)
+        self.to: list[int] = []  # target address
+        self.frm: list[int] = []  # offset in the source's data
+        self.size: list[int] = []
+        self.want: list[int | None] = []  # crc32c expected; None: not checked
+        self.targets: list[torch.Tensor] = []  # held until copied: ``to`` is their memory
+
+    def add(self, dst: torch.Tensor, e: Entry, cs: int, sums: tuple[int, ...] | None) -> None:
+        self.targets.append(dst)
+        ptr = dst.data_ptr()
+        for i, lo in enumerate(range(0, e.nbytes, cs)):
+            self.owner.append((e, cs, i))
+            self.to.append(ptr + lo)
+            self.frm.append(e.offset + lo)
+            self.size.append(min(cs, e.nbytes - lo))
+            self.want.append(None if sums is None else sums[i])
+
+    def add_small(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
+                  cs: int, data_len: int, verify: bool) -> bool:  # fmt: skip
+        """``add`` in C-level passes for the usual case: every entry one chunk, within
+        ``data_len``, with its checksum (or unverified); False (nothing added) otherwise."""
+        ns, ats = list(map(_NBYTES, entries)), list(map(_OFFSET, entries))
+        if not ns or min(ns) <= 0 or max(ns) > cs or min(ats) < 0:
+            return False
+        if max(map(operator.add, ats, ns)) > data_len:
+            return False
+        if verify:
+            sums = list(map(_CHECKSUMS, entries))
+            if None in sums or set(map(len, sums)) != {1}:
+                return False
+            self.want.extend(map(_FIRST, sums))
+        else:
+            self.want.extend(itertools.repeat(None, len(ns)))
+        self.owner.extend(zip(entries, itertools.repeat(cs), itertools.repeat(0)))
+        self.targets.extend(dsts)
+        self.to.extend(map(torch.Tensor.data_ptr, dsts))
+        self.frm.extend(ats)
+        self.size.extend(ns)
+        return True
+
+
 @dataclass
 class Source:
     """The bytes of one rank's snapshot, wherever they are (a slot, a file, a buffer)."""
@@ -103,7 +163,8 @@ class Source:
     where: str
     verify: bool = True
     pinned: bool = False  # page-locked: device uploads read it directly
-    _queued: list[Queued] = field(default_factory=list, repr=False)
+    _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
+    _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
 
     def _raw(self, entry: Entry) -> torch.Tensor:
         raw = self.data[entry.offset : entry.offset + entry.nbytes]
@@ -122,54 +183,126 @@ class Source:
         plain = on_device or dst.device.type == "cpu"
         if not plain or not _byte_copyable(dst, entry.nbytes):
             copy_into(dst, self.view(entry, chunk_size))
+        elif not on_device:
+            self._add_units([dst], [entry], chunk_size)
         elif entry.nbytes:
             self._bounds(entry, chunk_size)
             self._queued.append((dst, entry, chunk_size))
 
+    def copy_many(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
+                  chunk_size: int, host_sized: bool = False) -> None:  # fmt: skip
+        """``copy_to`` for every pair of ``dsts`` and ``entries`` (equal lengths); host
+        tensors that are plain bytes are checked in a few C-level passes, not one by one.
+        ``host_sized``: the caller knows every target is a host tensor of its entry's size."""
+        if len(dsts) != len(entries):
+            raise ValueError(f"{len(dsts)} targets for {len(entries)} entries")
+        if (
+            (host_sized or (all(map(_IS_CPU, dsts))
+                            and not any(map(device.runtime().is_device_tensor, dsts))))
+            and all(map(torch.Tensor.is_contiguous, dsts))
+            and not any(map(torch.Tensor.is_conj, dsts))
+            and not any(map(torch.Tensor.is_neg, dsts))
+            and (host_sized or list(map(_NBYTES, dsts)) == list(map(_NBYTES, entries)))
+        ):  # fmt: skip
+            self._add_units(dsts, entries, chunk_size)
+            return
+        for dst, entry in zip(dsts, entries, strict=True):
+            self.copy_to(dst, entry, chunk_size)
+
+    def _add_units(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
+                   cs: int) -> None:  # fmt: skip
+        """Queue the chunks of host targets that are plain bytes of the entries' sizes."""
+        chunks = self._chunks
+        if chunks.add_small(dsts, entries, cs, self.data.numel(), self.verify):
+            return
+        size = self.data.numel()
+        for dst, e in zip(dsts, entries, strict=True):
+            n, at, sums = e.nbytes, e.offset, e.checksums
+            if not n:
+                continue
+            if at < 0 or at + n > size or (sums is not None and len(sums) != -(-n // cs)):
+                self._bounds(e, cs)  # raises, naming what is wrong
+            chunks.add(dst, e, cs, sums if self.verify else None)
+
     def flush(self) -> None:
         """Copy everything queued, verified; returns once it has landed."""
+        chunks, self._chunks = self._chunks, _HostChunks()
         queued, self._queued = self._queued, []
+        if chunks.size:
+            self._copy_host(chunks)
+        if not queued:
+            return
         rt = device.runtime()
         by_device: dict[Hashable, list[Queued]] = {}
         for item in queued:
-            dev = rt.device_of(item[0]) if rt.is_device_tensor(item[0]) else None
-            by_device.setdefault(dev, []).append(item)
+            by_device.setdefault(rt.device_of(item[0]), []).append(item)
         for dev, items in by_device.items():
-            self._copy(items, None if dev is None else rt, dev)
+            self._copy(items, rt, dev)
 
-    def _copy(self, items: list[Queued], rt: device.DeviceRuntime | None,
-              dev: Hashable) -> None:  # fmt: skip
-        """One pass over every chunk of ``items``, spread over the restore workers: into host
-        memory (``rt`` None), or uploaded to ``dev``."""
+    def _copy_host(self, chunks: _HostChunks) -> None:
+        """Copy and check every chunk of ``chunks`` into host memory. Spread over the workers
+        where the chunks are large; chunks smaller than ``_SHARED_MIN`` on average are done
+        here in turn (two threads handing the GIL back and forth per small chunk cost more
+        than they share)."""
+        data, base = memoryview(self.data.numpy()), self.data.data_ptr()
+        memmove = ctypes.memmove
+        to, frm, size, want = chunks.to, chunks.frm, chunks.size, chunks.want
+
+        def work(first: int, last: int) -> Bad | None:
+            for j, ptr, at, n, crc_ in zip(itertools.count(first), to[first:last],
+                                           frm[first:last], size[first:last],
+                                           want[first:last]):  # fmt: skip
+                if n <= _PIECE:
+                    memmove(ptr, base + at, n)  # frees the GIL
+                    if crc_ is not None and (value := crc(data[at : at + n])) != crc_:
+                        return j, 0, value
+                    continue
+                value = 0
+                for p in range(0, n, _PIECE):
+                    q = min(p + _PIECE, n)
+                    memmove(ptr + p, base + at + p, q - p)
+                    if crc_ is not None:
+                        value = crc(data[at + p : at + q], value)
+                if crc_ is not None and value != crc_:
+                    return j, 0, value
+            return None
+
+        whole = sum(size) >= _SHARED_MIN * len(size)
+        spread = _spread(size) if whole else [(0, len(size))]
+        if len(spread) == 1:  # one share: run it here, no hand-off
+            found = [r for r in [work(*spread[0])] if r is not None]
+        else:
+            futures = [_workers().submit(work, a, b) for a, b in spread]
+            wait(futures)
+            found = [r for f in futures if (r := f.result()) is not None]
+        if found:
+            j, _, value = found[0]
+            entry, cs, i = chunks.owner[j]
+            raise chunk_mismatch(self.where, entry, i, value, cs)
+
+    def _copy(self, items: list[Queued], rt: device.DeviceRuntime, dev: Hashable) -> None:
+        """One pass over every chunk of ``items`` uploaded to ``dev``, spread over the restore
+        workers."""
         units = [(k, i) for k, (_, e, cs) in enumerate(items) for i in range(e.n_chunks(cs))]
         sizes = [min(items[k][2], items[k][1].nbytes - i * items[k][2]) for k, i in units]
         outs = [_bytes_of(dst) for dst, _, _ in items]
         data, base = memoryview(self.data.numpy()), self.data.data_ptr()
-        stream = None
-        if rt is not None:
-            stream = _upload_stream(rt, dev)
-            stream.wait_stream(rt.current_stream(dev))  # after what the caller queued there
+        stream = _upload_stream(rt, dev)
+        stream.wait_stream(rt.current_stream(dev))  # after what the caller queued there
 
         def work(first: int, last: int) -> Bad | None:
-            if rt is not None:
-                rt.use_device(dev)  # a pool thread has no current device: never make one
-            ring = None if rt is None or self.pinned else _staging(rt)
-            landed: dict[int, memoryview] = {}
+            rt.use_device(dev)  # a pool thread has no current device: never make one
+            ring = None if self.pinned else _staging(rt)
             turn, bad = 0, None
             for k, i in units[first:last]:
                 out, (_, entry, cs) = outs[k], items[k]
                 check = self.verify and entry.checksums is not None
                 lo, hi = i * cs, min((i + 1) * cs, entry.nbytes)
                 value = 0
-                for p in range(lo, hi, _PIECE if rt is None else _STAGE):
-                    q = min(p + (_PIECE if rt is None else _STAGE), hi)
+                for p in range(lo, hi, _STAGE):
+                    q = min(p + _STAGE, hi)
                     at = entry.offset + p
-                    if rt is None:  # into host memory, checked where it landed
-                        ctypes.memmove(out.data_ptr() + p, base + at, q - p)  # frees the GIL
-                        if k not in landed:
-                            landed[k] = memoryview(out.numpy())
-                        piece = landed[k][p:q]
-                    elif ring is None:  # uploaded straight from page-locked memory
+                    if ring is None:  # uploaded straight from page-locked memory
                         rt.copy(stream, out[p:q], self.data[at : at + q - p])
                         piece = data[at : at + q - p]
                     else:  # through a staging buffer, once its last upload has landed
@@ -190,10 +323,9 @@ class Source:
 
         futures = [_workers().submit(work, a, b) for a, b in _spread(sizes)]
         wait(futures)
-        if rt is not None:
-            done = rt.new_event()
-            done.record(stream)
-            done.synchronize()
+        done = rt.new_event()
+        done.record(stream)
+        done.synchronize()
         found = [r for f in futures if (r := f.result()) is not None]
         if found:
             k, i, value = found[0]

@@ -20,6 +20,7 @@ from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from ..snapshot import device
 from ..snapshot.flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
+from ..snapshot.steady import Walked
 from . import optim_state
 from .entry_copy import Source
 from .reshard import Resharder
@@ -163,15 +164,7 @@ class Planner:
         needs_load = not strict or self.replaced != before
 
         def produce(src: Source) -> Any:
-            sd = inner(src)
-            if needs_load:
-                src.flush()  # device copies land before load_state_dict() sees the tensors
-                if not optim_state.loaded_in_place(target, sd):
-                    target.load_state_dict(sd)
-            if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
-                # Gradients are no part of a snapshot: none survive a rollback (a step cut
-                # short by a fault would otherwise add its own to the next one's).
-                target.zero_grad(set_to_none=True)
+            finish_stateful(target, inner(src), needs_load, src)
             return target
 
         return produce
@@ -296,6 +289,19 @@ class Planner:
         return produce
 
 
+def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source) -> None:
+    """Finish restoring Stateful ``target`` once ``sd`` (its ``state_dict()``, filled in place
+    and given the snapshot's other values) is produced: load it where that is needed."""
+    if needs_load:
+        src.flush()  # device copies land before load_state_dict() sees the tensors
+        if not optim_state.loaded_in_place(target, sd):
+            target.load_state_dict(sd)
+    if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+        # Gradients are no part of a snapshot: none survive a rollback (a step cut short by
+        # a fault would otherwise add its own to the next one's).
+        target.zero_grad(set_to_none=True)
+
+
 def _state_indices(node: Any) -> set[int]:
     """The parameter indices an optimizer's saved ``state`` holds state for."""
     if not isinstance(node, dict) or node.get("t") != "dict":
@@ -315,14 +321,24 @@ def _kind(node: Any) -> str:
 def plan(
     manifest: Manifest, state: Mapping[str, Any], allow_pickle: bool,
     resharder: Resharder | None = None, unmatched: list[Mismatch] | None = None,
-    key_map: Callable[[str], str | None] | None = None,
+    key_map: Callable[[str], str | None] | None = None, walked: Walked | None = None,
 ) -> Producer:  # fmt: skip
     """Check ``state`` against ``manifest``; raise listing every problem, or return the loader.
     DTensors laid out otherwise than saved are asked of ``resharder`` (a mismatch without
     one), which must fetch them before the loader runs. With an ``unmatched`` list, what does
-    not match is appended to it and left as it is instead (``restore(strict=False)``)."""
+    not match is appended to it and left as it is instead (``restore(strict=False)``).
+    ``walked``: the state's walk, made just before; a state that holds what the snapshot
+    holds but for tensor values is then loaded without matching node by node."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
+    if resharder is None and key_map is None:
+        from .steady_load import producer as steady
+
+        fast = steady(manifest, walked)
+        if fast is not None:
+            if unmatched is not None:
+                unmatched.clear()
+            return fast
     planner = Planner(manifest, allow_pickle, resharder, unmatched is None, key_map)
     producer = planner.match(manifest.tree, state, "", lenient=False)
     where = f"snapshot of step {manifest.step} (job {manifest.job}, rank {manifest.rank})"

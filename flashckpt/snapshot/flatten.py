@@ -296,7 +296,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """
     if (
         src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not src.is_neg()
-        and src.device.type == dst.device.type == "cpu"
+        and not dst.is_conj() and not dst.is_neg() and src.device.type == dst.device.type == "cpu"
     ):  # fmt: skip
         if src.numel():
             dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))

@@ -60,19 +60,24 @@ class Unfit(Exception):
 # ("TD", cls, keys, key_types)  a mapping whose values are all plain tensors
 # ("M", cls, keys, key_types, children)
 # ("L", cls, children)          a list or tuple
-# ("F", child)                  a Stateful object: child runs on its state_dict()
+# ("F", child, scalars)         a Stateful object: child runs on its state_dict(); scalars:
+#                               whether any scalar op is under it
 
 
-def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, list, list]) -> tuple:
+def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, ...]) -> tuple:
     """The op for tree ``node`` built from ``value``; raises Unfit for what the steady walk
     does not take. ``spots`` receives (container, index) of every scalar op's tree node, and
-    ``got`` (tensors, scalars, shards) what ``_run`` would collect, both in walk order."""
-    tensors, scalars, shards = got
+    ``got`` (tensors, scalars, shards, statefuls) what ``_run`` would collect, both in walk
+    order."""
+    tensors, scalars, shards, statefuls = got
     tag = node.get("t") if isinstance(node, dict) else None
     if tag == "stateful":
         if not is_stateful(value):
             raise Unfit(path)
-        return ("F", _compile(node["v"], value.state_dict(), path, spots, got))
+        sd, before = value.state_dict(), len(scalars)
+        child = _compile(node["v"], sd, path, spots, got)
+        statefuls.append((value, sd, len(scalars) != before))  # after what it nests
+        return ("F", child, len(scalars) != before)
     if tag == "tensor":
         if type(value) in _PLAIN:
             tensors.append(value)
@@ -126,7 +131,8 @@ def _spot(container: Any, index: int, spots: list, op: tuple) -> None:
         spots.append((container, index))
 
 
-def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> None:
+def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list,
+         statefuls: list) -> None:  # fmt: skip
     kind = op[0]
     if kind == "T":
         if type(value) not in _PLAIN:
@@ -139,7 +145,7 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> N
         tensors.extend(vals)
     elif kind == "M":
         for child, v in zip(op[4], _same_mapping(op, value), strict=True):
-            _run(child, v, tensors, scalars, shards)
+            _run(child, v, tensors, scalars, shards, statefuls)
     elif kind == "S":
         if type(value) not in _SCALAR_TYPES:
             raise Unfit
@@ -152,11 +158,13 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list) -> N
         if type(value) is not op[1] or len(value) != len(op[2]):
             raise Unfit
         for child, v in zip(op[2], value, strict=True):
-            _run(child, v, tensors, scalars, shards)
+            _run(child, v, tensors, scalars, shards, statefuls)
     elif kind == "F":
         if not is_stateful(value):
             raise Unfit
-        _run(op[1], value.state_dict(), tensors, scalars, shards)
+        sd = value.state_dict()
+        _run(op[1], sd, tensors, scalars, shards, statefuls)
+        statefuls.append((value, sd, op[2]))
     else:  # "D"
         if not is_dtensor(value):
             raise Unfit
@@ -191,6 +199,10 @@ class Walked:
     tensors: list[torch.Tensor]
     tree: Any  # the tree of the last full walk (its scalars may be older than tree_json's)
     tree_json: str
+    # The compiled walk's Stateful objects, innermost first: (object, the state_dict() whose
+    # tensors ``tensors`` holds, whether a scalar is under it); None where the state does not
+    # compile (a restore then matches it against the snapshot's tree node by node).
+    statefuls: list[tuple[Any, Any, bool]] | None = None
 
 
 class StateWalker:
@@ -218,15 +230,16 @@ class StateWalker:
             tensors: list = []
             scalars: list = []
             shards: list = []
+            statefuls: list = []
             try:
-                _run(self._program, state, tensors, scalars, shards)
+                _run(self._program, state, tensors, scalars, shards, statefuls)
             except (Unfit, ValueError):
                 pass
             else:
                 if (list(map(_META, tensors)) == self._meta and shards == self._shards
                         and self._fill(scalars)):  # fmt: skip
                     assert self._layout is not None
-                    return Walked(self._layout, tensors, self._tree, self._tree_json)
+                    return Walked(self._layout, tensors, self._tree, self._tree_json, statefuls)
         return self._full(state, replicated, layout)
 
     def _fill(self, scalars: list) -> bool:
@@ -252,29 +265,38 @@ class StateWalker:
         tree, leaves = flatten(state, replicated)
         layout = plan_layout(leaves, self.chunk_size, layout)
         tree_json = json.dumps(tree, separators=(",", ":"), allow_nan=False)
-        self._compile(state, tree, leaves, replicated, layout, tree_json)
-        return Walked(layout, [lf.tensor for lf in leaves], tree, tree_json)
+        compiled = self._compile(state, tree, leaves, replicated, layout, tree_json)
+        tensors = [lf.tensor for lf in leaves]
+        if compiled is None or self._meta != list(map(_META, tensors)):
+            return Walked(layout, tensors, tree, tree_json)
+        # The compile's own state_dict() calls: a restore fills these tensors and hands the
+        # same dicts to load_state_dict (a state_dict() may return copies).
+        return Walked(layout, compiled[0], tree, tree_json, compiled[1])
 
     def _compile(self, state: Mapping[str, Any], tree: Any, leaves: list[Leaf],
-                 replicated: frozenset[str], layout: Layout, tree_json: str) -> None:  # fmt: skip
+                 replicated: frozenset[str], layout: Layout,
+                 tree_json: str) -> tuple[list, list] | None:  # fmt: skip
         """The program and template for the next saves, or none if the state does not fit
         (then not tried again while the layout stays the same: a state with an ndarray or a
-        pickled leaf walks in full on every save, and pays for no compile on top)."""
+        pickled leaf walks in full on every save, and pays for no compile on top). Returns
+        the tensors and Stateful objects the compile collected (as ``_run`` collects them),
+        or None."""
         self._program = None
         if layout is self._unfit:
-            return
+            return None
         spots: list = []
         tensors: list = []
         scalars: list = []
         shards: list = []
+        statefuls: list = []
         try:
-            program = _compile(tree, state, "", spots, (tensors, scalars, shards))
+            program = _compile(tree, state, "", spots, (tensors, scalars, shards, statefuls))
         except (Unfit, ValueError):
             self._unfit = layout
-            return
+            return None
         if len(tensors) != len(leaves) or len(scalars) != len(spots):
             self._unfit = layout
-            return
+            return None
         parts = self._template(tree, spots, len(scalars))
         self._program, self._replicated, self._layout = program, replicated, layout
         self._tree, self._tree_json = tree, tree_json
@@ -282,6 +304,7 @@ class StateWalker:
         self._shards, self._scalars = shards, scalars
         self._scalar_types = list(map(type, scalars))
         self._parts = parts
+        return tensors, statefuls
 
     @staticmethod
     def _template(tree: Any, spots: list, n: int) -> list[str] | None:

@@ -1,0 +1,67 @@
+"""The steady restore: a live state that holds what the snapshot holds but for tensor values.
+
+A restore into the state being trained (a rollback after a fault, in-process recovery, a
+restore the same process made before) finds it shaped as the snapshot: the same keys and
+containers, the same tensor dtypes and shapes, the same scalars. Matching the snapshot's tree
+against it node by node costs microseconds a tensor, more than copying a small tensor. So
+when the state's compiled walk (``snapshot/steady.py``) yields the snapshot's entries in
+order (path, kind, dtype, shape, shard, replica mark) and the tree's JSON is the snapshot's,
+the tensors are filled in one batched, verified pass (``Source.copy_many``) and each Stateful
+object is finished as the node-by-node restore finishes it: ``load_state_dict`` with the
+dict its tensors were filled in (an optimizer's param groups set in place), gradients
+dropped. Anything else (another structure, a scalar that differs, shards to reassemble,
+renamed keys) goes through the node-by-node ``into_state.plan``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..format.manifest import Manifest
+from ..snapshot import device
+from ..snapshot.flatten import Layout
+from ..snapshot.steady import Walked
+from .entry_copy import Source
+from .into_state import Producer, finish_stateful
+
+_IS_CPU = operator.attrgetter("is_cpu")
+_KEY = operator.attrgetter("path", "kind", "dtype", "shape", "shard", "replicated", "stored_at")
+_last: tuple = (None, None, [], False)  # the last layout compared: its runtime, keys, host
+
+
+def _keys(layout: Layout, tensors: list[torch.Tensor]) -> tuple[list, bool]:
+    """The layout's entry keys, and whether every tensor of it is a host tensor (the same
+    for every state of the layout: its signature holds each tensor's device)."""
+    global _last
+    rt = device.runtime()
+    held, held_rt, keys, host = _last
+    if held is not layout or held_rt is not rt:
+        keys = list(map(_KEY, layout.entries))
+        host = all(map(_IS_CPU, tensors)) and not any(map(rt.is_device_tensor, tensors))
+        _last = (layout, rt, keys, host)
+    return keys, host
+
+
+def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
+    """The loader of ``manifest`` into the state ``walked`` was walked from, if the state
+    holds exactly what the snapshot holds but for tensor values; None otherwise."""
+    if walked is None or walked.statefuls is None:
+        return None
+    entries = manifest.entries
+    keys, host = _keys(walked.layout, walked.tensors)
+    if len(entries) != len(walked.tensors) or list(map(_KEY, entries)) != keys:
+        return None
+    if not walked.tree_json or manifest.tree_json != walked.tree_json:
+        return None
+    tensors, statefuls, cs = walked.tensors, walked.statefuls, manifest.chunk_size
+
+    def produce(src: Source) -> None:
+        # The walk checked each tensor's dtype, shape and device against the layout's.
+        src.copy_many(tensors, entries, cs, host_sized=host)
+        for target, sd, has_scalars in statefuls:  # innermost first, as node by node
+            needs_load = has_scalars or not isinstance(target, torch.nn.Module)
+            finish_stateful(target, sd, needs_load, src)
+
+    return produce

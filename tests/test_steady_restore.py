@@ -1,0 +1,189 @@
+"""The steady restore: a state that holds what the snapshot holds but for tensor values is
+filled by one batched, verified pass, without matching the tree node by node; anything else
+(a scalar that differs, another structure, a target that is not plain bytes) is matched node
+by node, and both end in the same state. Times are in ``benchmarks/snapshot.py --case
+many-tensors``, never here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fake_device import installed
+from test_many_tensors import assert_same, many, values
+
+from flashckpt import Checkpointer
+from flashckpt.errors import ChecksumError, ManifestError
+from flashckpt.format.manifest import Entry
+from flashckpt.format.slot import HEADER_SIZE
+from flashckpt.restore import entry_copy, into_state, steady_load
+from flashckpt.snapshot.slots import read_locked
+
+
+class Spy:
+    """Counts how often ``steady_load.producer`` gave a loader, and how often it declined."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.taken = self.declined = 0
+        real = steady_load.producer
+
+        def spy(manifest, walked):
+            got = real(manifest, walked)
+            if got is None:
+                self.declined += 1
+            else:
+                self.taken += 1
+            return got
+
+        monkeypatch.setattr(steady_load, "producer", spy)
+
+
+def test_a_state_shaped_as_the_snapshot_is_filled_in_one_pass(shm_dir, monkeypatch):
+    spy = Spy(monkeypatch)
+    matched = []
+    monkeypatch.setattr(into_state.Planner, "match",
+                        lambda self, *a, real=into_state.Planner.match: matched.append(1)
+                        or real(self, *a))  # fmt: skip
+    state = many(2000)
+    with Checkpointer(job="steady-restore") as ck:
+        ck.save(1, state)
+        expected = values(state)
+        ck._sealer.drain()  # verified: the chunks carry their checksums
+        target = many(2000, seed=3)
+        for p in target["model"]:
+            p.grad = torch.ones_like(p)
+        for _ in range(3):  # the first restore walks the target in full, the rest compile
+            assert ck.restore(target) == 1
+            assert_same(values(target), expected)
+    assert spy.taken == 3 and not matched  # never matched node by node
+    assert all(p.grad is None for p in target["model"])  # gradients dropped, as node by node
+    assert target["optim"].param_groups[0]["lr"] == 1e-3
+
+
+def test_a_scalar_that_differs_is_matched_node_by_node_and_restored(shm_dir, monkeypatch):
+    spy = Spy(monkeypatch)
+    state = {**many(400), "step": 7, "note": "saved"}
+    with Checkpointer(job="steady-scalar") as ck:
+        ck.save(7, state)
+        expected = values(state)
+        target = {**many(400, seed=2), "step": 9, "note": "saved"}
+        target["optim"].param_groups[0]["lr"] = 5.0
+        assert ck.restore(target) == 7
+        assert spy.declined == 1 and spy.taken == 0
+        assert target["step"] == 7 and target["optim"].param_groups[0]["lr"] == 1e-3
+        assert_same(values(target), expected)
+        ck.restore(target)  # now it holds the snapshot's scalars: the steady path
+        assert spy.taken == 1
+        target["step"] = True  # equal to 1 in Python, not the same JSON: node by node
+        state["step"] = 1
+        ck.save(8, state)
+        ck.restore(target)
+        assert target["step"] == 1 and type(target["step"]) is int
+        assert spy.declined == 2
+
+
+class Copies:
+    """A Stateful whose state_dict() returns copies: only load_state_dict() restores it."""
+
+    def __init__(self, value: float) -> None:
+        self.w = torch.full((5,), value)
+        self.loads = 0
+
+    def state_dict(self) -> dict:
+        return {"w": self.w.clone(), "n": 3}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loads += 1
+        self.w = sd["w"].clone()
+
+
+def test_a_stateful_returning_copies_is_loaded_with_the_dict_that_was_filled(shm_dir, monkeypatch):
+    spy = Spy(monkeypatch)
+    with Checkpointer(job="steady-copies") as ck:
+        ck.save(1, {"extra": Copies(4.0), **many(40)})
+        target = {"extra": Copies(-1.0), **many(40, seed=1)}
+        for _ in range(2):  # full walk, then the compiled one
+            target["extra"].w.fill_(-1.0)
+            assert ck.restore(target) == 1
+            assert torch.equal(target["extra"].w, torch.full((5,), 4.0))
+    assert spy.taken == 2 and target["extra"].loads == 2
+
+
+def test_targets_that_are_not_plain_bytes_take_the_typed_copy(shm_dir):
+    w = torch.arange(12.0).reshape(3, 4)
+    with Checkpointer(job="steady-strided") as ck:
+        ck.save(1, {"t": w.t().contiguous(), "c": torch.tensor([1 + 2j, 3 - 4j])})
+        strided = torch.zeros(4, 3).t().contiguous().t()  # a transposed view: strided
+        assert not strided.is_contiguous()
+        conj = torch.zeros(2, dtype=torch.complex64).conj()  # lazily conjugated
+        target = {"t": strided, "c": conj}
+        assert ck.restore(target) == 1
+    assert torch.equal(target["t"], w.t())
+    assert torch.equal(target["c"].resolve_conj(), torch.tensor([1 + 2j, 3 - 4j]))
+
+
+def _flip(ck: Checkpointer, step: int, path: str, at: int) -> None:
+    """Flip one byte of entry ``path`` in the slot holding ``step``."""
+    for slot in ck._pair.ready():
+        with read_locked(slot) as snap:
+            if snap is None or snap.step != step:
+                continue
+            entry = next(e for e in snap.manifest.entries if e.path == path)
+            slot.buf[HEADER_SIZE + entry.offset + at] ^= 0xFF
+            return
+    raise AssertionError(f"no slot holds step {step}")
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, chunk):
+    spy = Spy(monkeypatch)
+    state = many(400)
+    state["big"] = torch.randn(3 * 1024)  # three chunks of 4 KiB: queued chunk by chunk
+    with Checkpointer(job="steady-corrupt", chunk_size=4096) as ck:
+        ck.save(1, state)
+        older = values(state) + [state["big"].clone()]
+        with torch.no_grad():
+            for p in state["model"]:
+                p.add_(1.0)
+            state["big"].add_(1.0)
+        ck.save(2, state)
+        ck._sealer.drain()
+        _flip(ck, 2, "big", chunk * 4096 + 5)
+        target = {**many(400, seed=4), "big": torch.zeros(3 * 1024)}
+        assert ck.restore(target) == 1
+    assert spy.taken == 2  # both tried on the steady path: the corrupt one, then the older
+    assert_same(values(target) + [target["big"]], older)
+
+
+def test_a_mismatch_names_the_entry_and_the_chunk():
+    data = torch.zeros(4096 * 3, dtype=torch.uint8)
+    entry = Entry("w", "tensor", "uint8", (8192,), offset=0, nbytes=8192, first_chunk=0,
+                  checksums=(0, 1))  # fmt: skip
+    src = entry_copy.Source(data, "a test buffer")
+    src.copy_many([torch.empty(8192, dtype=torch.uint8)], [entry], 4096)
+    with pytest.raises(ChecksumError, match="'w'"):
+        src.flush()
+    with pytest.raises(ValueError, match="2 targets for 1 entries"):
+        src.copy_many([torch.empty(1), torch.empty(1)], [entry], 4096)
+    past = Entry("w", "tensor", "uint8", (64,), offset=12288, nbytes=64, first_chunk=0,
+                 checksums=(0,))  # fmt: skip
+    with pytest.raises(ManifestError, match="past the 12288 bytes stored"):
+        src.copy_many([torch.empty(64, dtype=torch.uint8)], [past], 4096)
+
+
+def test_device_targets_on_the_steady_path_are_uploaded(shm_dir, monkeypatch):
+    spy = Spy(monkeypatch)
+    uploads = []
+    real = entry_copy.Source._copy
+    monkeypatch.setattr(entry_copy.Source, "_copy",
+                        lambda self, items, rt, dev: uploads.append(len(items))
+                        or real(self, items, rt, dev))  # fmt: skip
+    with installed():  # every tensor is a device tensor of the simulated device
+        state = many(400)
+        with Checkpointer(job="steady-device") as ck:
+            ck.save(1, state)
+            ck._sealer.drain()
+            target = many(400, seed=6)
+            assert ck.restore(target) == 1
+        assert_same(values(target), values(state))
+    assert spy.taken == 1
+    assert uploads == [len(values(state))]  # every tensor uploaded, in one pass
