@@ -14,14 +14,18 @@ line holds the ratios the targets speak of:
 - a training loop saving every step, overlapped and blocking, with a step shorter and one
   longer than the copy: the exposed cost per save against max(0, copy - forward/backward)
   + 10 % of the copy, and the training process's CPU time (cores busy) beside the loop
-  without saving;
+  without saving, with and without the sealers' checksumming (which runs off the training
+  thread, on a core of its own);
 - the first ``save()`` of a job against faulting in and page-locking one slot of that size
   (target <= 1.5), and the first after ``restore()`` and a step;
 - beside them: DCP ``async_save`` (its default, and with a pinned ``DefaultStager``: the call
   plus staging, until the state may change again) and DLRover's flash checkpoint when it is
   installed;
 - ``--integrations``: the same overlapped loop for FSDP2 (``fully_shard``, NCCL, one GPU),
-  Hugging Face Accelerate and DeepSpeed ZeRO-1 (when installed), against the plain one.
+  Hugging Face Accelerate and DeepSpeed ZeRO-1 (when installed), against the plain one; their
+  exposed cost per save over the copy is in the RESULT line;
+- the restarted process's verified ``restore()`` (the restart path: slots it did not
+  page-lock, so uploads go through the staging rings) against its own host-to-device copy.
 
 Host memory: the pinned baselines, two slots per Checkpointer and DCP's staging copies come
 to about 5 times the state at the peak; every Checkpointer is closed and every file removed
@@ -49,6 +53,7 @@ import torch
 from snapshot_harness import local_tensors, size_of
 
 from flashckpt import Checkpointer
+from flashckpt.snapshot import sealer
 from flashckpt.snapshot.device import CudaRuntime
 
 WIDTH = 4096
@@ -173,9 +178,9 @@ def restores(state: dict, rounds: int, job: str) -> dict[str, float]:
 Step = Callable[[int], object]  # one training step (or its forward and backward) at a batch
 
 
-def loop(step: Step, batch: int, steps: int, save: Step | None) -> tuple[float, float]:
+def loop(step: Step, batch: int, steps: int, save: Step | None) -> tuple[float, float, float]:
     """Median time of ``steps`` training steps, each followed by ``save(i)``, and the
-    process's CPU time per step over them."""
+    process's CPU time per step over them, with and without the sealers' checksumming."""
 
     def one(i: int) -> None:
         step(batch)
@@ -184,10 +189,11 @@ def loop(step: Step, batch: int, steps: int, save: Step | None) -> tuple[float, 
 
     for i in range(2):  # warm-up
         one(i)
-    times, cpu = [], time.process_time()
+    times, cpu, sealing = [], time.process_time(), sealer.cpu_seconds()
     for i in range(2, steps + 2):
         times.append(timed(lambda i=i: one(i)))
-    return statistics.median(times), (time.process_time() - cpu) / steps
+    cpu, sealing = time.process_time() - cpu, sealer.cpu_seconds() - sealing
+    return statistics.median(times), cpu / steps, (cpu - sealing) / steps
 
 
 def batch_for(fwd_bwd: Step, seconds: float) -> int:
@@ -202,17 +208,18 @@ def overlap_case(name: str, fwd_bwd: Step, step: Step, save_overlapped: Step,
                  steps: int) -> dict[str, float]:  # fmt: skip
     """One training loop, without saving, saving overlapped and blocking; rows and figures."""
     t_fb = median_of(lambda: fwd_bwd(batch), steps)
-    plain, cpu_plain = loop(step, batch, steps, None)
-    over, cpu_over = loop(step, batch, steps, save_overlapped)
+    plain, cpu_plain, _ = loop(step, batch, steps, None)
+    over, cpu_over, cpu_unsealed = loop(step, batch, steps, save_overlapped)
     block = loop(step, batch, steps, save_blocking)[0] if save_blocking else float("nan")
     exposed, bound = max(0.0, over - plain), max(0.0, t_copy - t_fb) + 0.1 * t_copy
     print(f"{name}: forward+backward {t_fb * 1e3:.1f} ms, copy {t_copy * 1e3:.1f} ms; step "
           f"{plain * 1e3:.1f} ms plain, {over * 1e3:.1f} overlapped (exposed {exposed * 1e3:.1f},"
           f" bound {bound * 1e3:.1f}: {'ok' if exposed <= bound else 'MISSED'}), "
           f"{block * 1e3:.1f} blocking; CPU per step {cpu_plain * 1e3:.0f} ms plain, "
-          f"{cpu_over * 1e3:.0f} ms overlapped", flush=True)  # fmt: skip
+          f"{cpu_over * 1e3:.0f} ms overlapped ({cpu_unsealed * 1e3:.0f} ms without the "
+          "sealers' checksums)", flush=True)  # fmt: skip
     return {"exposed": exposed, "bound": bound, "cpu_plain": cpu_plain, "cpu_over": cpu_over,
-            "step": plain}  # fmt: skip
+            "cpu_unsealed": cpu_unsealed, "step": plain}  # fmt: skip
 
 
 def steps_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[Step, Step]:
@@ -257,14 +264,14 @@ def child(args: argparse.Namespace) -> None:
         settle(ck)
         os._exit(0)  # no close(): the slots stay, unpinned, for the next process
     nbytes = size_of(local_tensors(state))
-    d2h, _ = copies(nbytes, args.rounds)
+    d2h, h2d = copies(nbytes, args.rounds)
     with Checkpointer(job=args.job, overlap=False) as ck:
         t_restore = timed(lambda: ck.restore(state))
         settle(ck)
         pinned = all(ck._prep.pinner.pinned(s) for s in ck._pair.slots if s is not None)
         times = [timed(lambda i=i: ck.save(10 + i, state)) for i in range(args.rounds + 1)]
-    print(json.dumps({"d2h": d2h, "save": statistics.median(times[1:]), "pinned": pinned,
-                      "restore": t_restore}), flush=True)  # fmt: skip
+    print(json.dumps({"d2h": d2h, "h2d": h2d, "save": statistics.median(times[1:]),
+                      "pinned": pinned, "restore": t_restore}), flush=True)  # fmt: skip
 
 
 def restarted(args: argparse.Namespace) -> dict:
@@ -328,7 +335,9 @@ def dlrover(state: dict, where: str, rounds: int) -> float | None:
 
 
 # ---- integrations ------------------------------------------------------------------------
-def integrations(args: argparse.Namespace, t_copy: float, batch: int, plain_exposed: float) -> None:
+def integrations(args: argparse.Namespace, t_copy: float, batch: int,
+                 plain_exposed: float) -> dict[str, float]:  # fmt: skip
+    """Each integration's exposed cost per save over the copy, by name."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -349,44 +358,49 @@ def integrations(args: argparse.Namespace, t_copy: float, batch: int, plain_expo
         print(
             f"  FSDP2 exposed/plain's: {got['exposed'] * 1e3:.1f} vs {plain_exposed * 1e3:.1f} ms"
         )
+        out = {"fsdp2": got["exposed"] / t_copy}
         del model, opt, state, ck, save
         gc.collect()
         torch.cuda.empty_cache()
-        accelerate_case(args, t_copy, batch)
-        deepspeed_case(args, t_copy, batch)
+        for name, case in (("accelerate", accelerate_case), ("deepspeed", deepspeed_case)):
+            got = case(args, t_copy, batch)
+            if got is not None:
+                out[name] = got["exposed"] / t_copy
+        return out
     finally:
         dist.destroy_process_group()
 
 
-def accelerate_case(args: argparse.Namespace, t_copy: float, batch: int) -> None:
+def accelerate_case(args: argparse.Namespace, t_copy: float, batch: int) -> dict | None:
     try:
         from accelerate import Accelerator
 
         import flashckpt.accelerate as fa
     except ImportError:
         print("Accelerate: not installed", flush=True)
-        return
+        return None
     acc = Accelerator()
     model, opt = acc.prepare(*build(args.layers))
     flash = fa.attach(acc)
     where = tempfile.mkdtemp(prefix="flashckpt-acc-")
     acc.save_state(os.path.join(where, "s"))
     train_step(model, opt, batch)
-    overlap_case("Accelerate save_state()", *steps_of(model, opt),
-                 lambda i: acc.save_state(os.path.join(where, "s")), None, t_copy, batch,
-                 args.rounds)  # fmt: skip
+    got = overlap_case("Accelerate save_state()", *steps_of(model, opt),
+                       lambda i: acc.save_state(os.path.join(where, "s")), None, t_copy, batch,
+                       args.rounds)  # fmt: skip
     flash.close()
     shutil.rmtree(where, ignore_errors=True)
+    return got
 
 
-def deepspeed_case(args: argparse.Namespace, t_copy: float, batch: int) -> None:
+def deepspeed_case(args: argparse.Namespace, t_copy: float, batch: int) -> dict | None:
     try:
         import deepspeed
 
         import flashckpt.deepspeed as flash_ds
     except ImportError:
         print("DeepSpeed ZeRO-1: not installed", flush=True)
-        return
+        return None
     model, opt = build(args.layers)
     config = {"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 1},
               "zero_allow_untested_optimizer": True}  # fmt: skip
@@ -403,9 +417,9 @@ def deepspeed_case(args: argparse.Namespace, t_copy: float, batch: int) -> None:
 
     try:
         engine.save_checkpoint(where, tag="t")
-        overlap_case("DeepSpeed ZeRO-1 save_checkpoint()", fwd_bwd, step,
-                     lambda i: engine.save_checkpoint(where, tag="t"), None, t_copy, batch,
-                     args.rounds)  # fmt: skip
+        return overlap_case("DeepSpeed ZeRO-1 save_checkpoint()", fwd_bwd, step,
+                            lambda i: engine.save_checkpoint(where, tag="t"), None, t_copy,
+                            batch, args.rounds)  # fmt: skip
     finally:
         flash.close()
         shutil.rmtree(where, ignore_errors=True)
@@ -445,6 +459,8 @@ def main(args: argparse.Namespace) -> None:
     rs = restarted(args)
     row("save(), blocking, in a restarted process after restore()", rs["save"], nbytes,
         rs["d2h"], f"vs its own D2H copy; slots page-locked: {rs['pinned']}")  # fmt: skip
+    row("restore() in a restarted process, verified (staging rings)", rs["restore"], nbytes,
+        rs["h2d"], "vs its own H2D copy")  # fmt: skip
     fwd_bwd, step = steps_of(model, opt)
     short, long = batch_for(fwd_bwd, 0.5 * d2h), batch_for(fwd_bwd, 2.0 * d2h)
     results = {}
@@ -464,8 +480,9 @@ def main(args: argparse.Namespace) -> None:
         print("DLRover flash checkpoint: not installed", flush=True)
     else:
         row("DLRover flash checkpoint, memory, blocking part", t_dlrover, nbytes, d2h)
+    doors = {}
     if args.integrations:
-        integrations(args, d2h, long, results["long"]["exposed"])
+        doors = integrations(args, d2h, long, results["long"]["exposed"])
     shutil.rmtree(where, ignore_errors=True)
     print(
         f"RESULT blocking_save/d2h={d2h / t_block:.2f} (>= 0.9) "
@@ -474,6 +491,11 @@ def main(args: argparse.Namespace) -> None:
         + " ".join(f"overlap_{k}_exposed/copy={v['exposed'] / d2h:.2f} "
                    f"(<= {v['bound'] / d2h:.2f})" for k, v in results.items())
         + f" first_save/fault_and_pin={cold / pin:.2f} (<= 1.5)"
+        + f" restarted_verified_restore/h2d={rs['h2d'] / rs['restore']:.2f}"
+        + "".join(f" {k}_overlap_long_exposed/copy={v:.2f}" for k, v in doors.items())
+        + " cpu_per_step_ms(plain/overlapped/without_sealing)="
+        + "/".join(f"{results['long'][k] * 1e3:.0f}"
+                   for k in ("cpu_plain", "cpu_over", "cpu_unsealed"))
     )  # fmt: skip
 
 

@@ -380,3 +380,13 @@ def test_manifests_with_the_entries_anywhere_are_read_alike():
     bad = ours.replace(b'"nbytes":12', b'"nbytes":13')
     with pytest.raises(ManifestError, match="nbytes"):
         Manifest.from_json(bad)
+
+
+def test_the_sealers_cpu_time_is_counted(shm_dir):
+    from flashckpt.snapshot import sealer
+
+    before = sealer.cpu_seconds()
+    with Checkpointer(job="sealer-cpu") as ck:
+        ck.save(0, {"w": torch.randn(4 << 20)})  # 16 MiB to checksum
+        assert ck._sealer.drain(30)
+    assert sealer.cpu_seconds() > before
