@@ -69,6 +69,9 @@ class Node:
     lost: bool = False
     kill: set[int] = field(default_factory=set)  # pids ordered killed, not yet gone
     handled: set[int] = field(default_factory=set)  # pids of failures already seen
+    peer_address: str = ""  # where its agent holds other nodes' replicas
+    failure_domain: str = ""
+    replicas: list = field(default_factory=list)  # pb.Replica it holds
 
     def running(self) -> bool:
         return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
@@ -111,6 +114,8 @@ class Controller:
         node.last_seen, node.lost = now, False
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
+        node.peer_address, node.failure_domain = r.peer_address, r.failure_domain
+        node.replicas = list(r.replicas)
         node.kill &= {pid for pid, s in node.workers.items() if s.worker.alive}
         node.handled &= node.workers.keys()  # a page gone is never reported again
         dead = [w for w in r.workers if not w.alive and w.pid not in node.handled]
@@ -216,7 +221,9 @@ class Controller:
         job = self.jobs.get(name, JobState())
         nodes = [
             pb.NodeStatus(node=k, agent_id=n.agent_id, last_seen_s=now - n.last_seen,
-                          lost=n.lost, workers=[s.worker for s in n.workers.values()])
+                          lost=n.lost, workers=[s.worker for s in n.workers.values()],
+                          peer_address=n.peer_address, failure_domain=n.failure_domain,
+                          replicas=n.replicas)
             for k, n in sorted(job.nodes.items())
         ]  # fmt: skip
         commits = [pb.GlobalCommit(url=u, step=s, generation=g)

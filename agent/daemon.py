@@ -21,6 +21,7 @@ from flashckpt.safe_paths import private_dir
 from .jobs import Job
 from .link import Link
 from .metrics import Metrics
+from .replicas import ReplicaStore
 from .service import AgentService
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    link = asyncio.create_task(Link(j, run_dir, service.agent_id).run(stop), name="controller link")
+    replicas = None
+    if config.peer_replicas() > 0:  # a multi-node job: hold other nodes' newest steps
+        replicas = ReplicaStore(job, shm_dir, run_dir, metrics)
+        await replicas.start()
+    link = asyncio.create_task(
+        Link(j, run_dir, service.agent_id, replicas=replicas).run(stop), name="controller link"
+    )
     idle_since = None
     while not stop.is_set():
         with contextlib.suppress(asyncio.TimeoutError):
@@ -105,6 +112,8 @@ async def serve(
     await server.stop(grace=2)
     for jb in service.jobs.values():
         await jb.drain(drain_timeout)
+    if replicas is not None:  # the job is over on this node: its memory goes back
+        await replicas.close()
     log.info("drained; exiting")
     if metrics:
         metrics.close()

@@ -32,6 +32,7 @@ from flashckpt.faults.heartbeat import Phase, pages
 from flashckpt.faults.proc import parent_and_state
 
 from .jobs import Job
+from .replicas import ReplicaStore
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ def workers(shm_dir: Path, job: str) -> list[pb.Worker]:
 
 
 class Link:
-    def __init__(self, job: Job, run_dir: Path, agent_id: str, kill_grace: float | None = None):
+    def __init__(self, job: Job, run_dir: Path, agent_id: str, kill_grace: float | None = None,
+                 replicas: ReplicaStore | None = None):  # fmt: skip
         self.job, self.run_dir, self.agent_id = job, run_dir, agent_id
+        self.replicas = replicas  # what this node holds for others, reported with it
         self.kill_grace = config.setting_float("kill_grace", kill_grace, DEFAULT_KILL_GRACE)
         self.interval = 1.0
         self._endpoint: Endpoint | None = None
@@ -70,10 +73,14 @@ class Link:
                           step=w.state.last_committed[1], generation=w.state.last_committed[0])
             for w in j.workers.values()
         ]  # fmt: skip
+        held = self.replicas
         return pb.NodeReport(
             job=j.name, node=j.node, agent_id=self.agent_id, world_size=j.trainers.world_size,
             workers=workers(j.shm_dir, j.name), tiers=tiers, ranks=sorted(j.trainers.pids),
-            seq=seq,
+            seq=seq, peer_address=held.address if held else "",
+            failure_domain=str(config.setting("failure_domain", None, "") or ""),
+            replicas=[pb.Replica(source=n, generation=g, step=s, ranks=r)
+                      for n, g, s, r in (held.held_now if held else [])],
         )  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -28,6 +28,7 @@ class Metrics:
         )
         self._lag_steps = prom.Gauge("flashckpt_tier_lag_steps", "Newest step in memory minus last committed", labels, registry=self.registry)  # fmt: skip
         self._lag_s = prom.Gauge("flashckpt_tier_lag_seconds", "Age of the newest uncommitted snapshot", labels, registry=self.registry)  # fmt: skip
+        self._refused = prom.Counter("flashckpt_replicas_refused", "Other nodes' replicas refused for want of shared memory", registry=self.registry)  # fmt: skip
         self.server, _ = prom.start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_port
 
@@ -41,6 +42,9 @@ class Metrics:
     def lag(self, tier: str, steps: int, seconds: float) -> None:
         self._lag_steps.labels(redact(tier)).set(steps)
         self._lag_s.labels(redact(tier)).set(seconds)
+
+    def replica_refused(self) -> None:
+        self._refused.inc()
 
     def close(self) -> None:
         self.server.shutdown()

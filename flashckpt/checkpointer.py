@@ -67,6 +67,13 @@ class Checkpointer:
 
         for t in tiers:
             check_installed(t)  # validated now: a typo or a missing package fails at start
+        # A multi-node job's replicas in other nodes' memory come first after this node's own
+        # (FLASHCKPT_PEER_REPLICAS, set by flashckpt-run): a lost node restores from them.
+        given = [t for t in tiers if not t.startswith("peer:")]
+        peers = [t for t in tiers if t.startswith("peer:")] or config.peer_urls(
+            config.peer_replicas()
+        )
+        tiers = (*peers, *given)
         self.tiers = list(tiers)  # as given: options ride in the query string
         self.job = config.resolve_job(job)
         self.rank = config.resolve_rank(rank)

@@ -155,6 +155,7 @@ def check_agent_settings() -> None:
     job starts, not an agent that exits at start with the reason in its log only."""
     for name in AGENT_NUMBERS:
         setting_float(name, None, 0.0)
+    peer_replicas()
 
 
 def check_flag(name: str, value: object) -> bool:
@@ -253,6 +254,18 @@ def node_name() -> str:
         "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "-" for c in raw)[:64]
         or "node"
     )
+
+
+def peer_replicas(explicit: int | None = None) -> int:
+    """How many other nodes keep this node's newest step in their memory
+    (``FLASHCKPT_PEER_REPLICAS``; ``flashckpt-run`` sets 1 for a job of several nodes where
+    it is unset; 0 turns replicas off)."""
+    return setting_int("peer_replicas", explicit, 0, lo=0, hi=16)
+
+
+def peer_urls(k: int) -> list[str]:
+    """The ``peer://`` tiers of ``k`` replicas: each keeps one step, the newest complete."""
+    return [f"peer://auto?hop={h}&keep_last=1" for h in range(1, k + 1)]
 
 
 def local_world_size() -> int:

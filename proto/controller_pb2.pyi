@@ -36,8 +36,20 @@ class TierCommit(_message.Message):
     generation: int
     def __init__(self, url: _Optional[str] = ..., shared: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class Replica(_message.Message):
+    __slots__ = ("source", "step", "generation", "ranks")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    step: int
+    generation: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class NodeReport(_message.Message):
-    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks", "seq")
+    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks", "seq", "peer_address", "failure_domain", "replicas")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +58,9 @@ class NodeReport(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     agent_id: str
@@ -54,7 +69,10 @@ class NodeReport(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierCommit]
     ranks: _containers.RepeatedScalarFieldContainer[int]
     seq: int
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+    peer_address: str
+    failure_domain: str
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("kill_pids", "heartbeat_s", "seq")
@@ -73,18 +91,24 @@ class JobStatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node", "agent_id", "last_seen_s", "lost", "workers")
+    __slots__ = ("node", "agent_id", "last_seen_s", "lost", "workers", "peer_address", "failure_domain", "replicas")
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_id: str
     last_seen_s: float
     lost: bool
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., lost: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    peer_address: str
+    failure_domain: str
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., lost: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class GlobalCommit(_message.Message):
     __slots__ = ("url", "step", "generation")

@@ -135,6 +135,11 @@ class Tier(abc.ABC):
         store) passes with nothing under it: it is empty. The default checks nothing."""
         return None
 
+    def describe(self) -> str | None:
+        """What to call this tier in events and logs where its URL says too little (a peer's
+        memory names the node); None: its URL, credentials hidden."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections and threads."""

@@ -200,6 +200,11 @@ class PosixTier(Tier):
             os.close(fd)
         raise not_a_file(self.spec.url, key, path, kind)
 
+    def read_fd(self, key: str) -> int:
+        """An open, blocking file descriptor of ``key``'s file, for the caller to read and
+        close (a replica holder sends it with ``sendfile``); refused as ``get`` refuses."""
+        return self._open_read(key)
+
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return await asyncio.to_thread(self._get, key, start, end)
 

@@ -66,6 +66,12 @@ _REGISTRY: dict[str, TierEntry] = {
         path_like=True,
         options=DIRECTORY_OPTIONS,
     ),
+    "peer": TierEntry(
+        "flashckpt.storage_tiers.peer:PeerTier",
+        Scope.NODE,
+        options=frozenset(["hop"]),
+        raw_location=True,
+    ),
     "s3": TierEntry(
         "flashckpt.storage_tiers.s3:S3Tier",
         Scope.SHARED,

@@ -4,8 +4,9 @@ Plain user code: ``init_process_group()`` with no watchdog and no store tricks, 
 of flashckpt. ``FT_FAULT``, ``FT_RANK``, ``FT_STEP``: right after saving that step, the first
 time only (a marker in ``FT_MARKS``), that rank
 - ``kill``: SIGKILLs itself; ``stop``: SIGSTOPs itself;
-- ``pause``: waits until the step is committed in every tier of ``FT_TIERS``, writes
-  ``FT_MARKS/paused`` and sleeps (the test then takes its whole node away);
+- ``pause``: waits until the step is committed in every tier of ``FT_TIERS`` (or of
+  ``FT_WAIT_TIERS`` where set), writes ``FT_MARKS/paused`` and sleeps (the test then takes
+  its whole node away);
 - ``corrupt``: waits for the same commits, flips the last data byte of the step in its
   shared-memory slot and in every tier, then SIGKILLs itself.
 Gradients are averaged with one all-reduce per parameter, not DDP: DDP rebuilds its buckets
@@ -73,6 +74,12 @@ def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
         run_with_tier(url, flip)
 
 
+def wait_tiers(tiers: list[str]) -> list[str]:
+    """The tiers a ``pause`` waits for: ``FT_WAIT_TIERS`` (comma-separated), else every one."""
+    chosen = os.environ.get("FT_WAIT_TIERS")
+    return [t for t in chosen.split(",") if t] if chosen is not None else tiers
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
     """One step: this rank's batch of ``step``, gradients averaged over every rank."""
     g = torch.Generator().manual_seed(step * 100 + rank)
@@ -104,7 +111,7 @@ def main() -> None:
         ckpt.save(step, state)
         kind = fault_now(rank, step)
         if kind in ("pause", "corrupt"):
-            for tier in tiers:
+            for tier in wait_tiers(tiers):
                 ckpt.wait(step, tier=tier, timeout=60)
         if kind == "corrupt":
             corrupt(ckpt, tiers, step)

@@ -3,7 +3,9 @@
 The model, data and steps are ``ft_trainer``'s, so a run ends bit-identical to its undisturbed
 one. ``FT_FAULTS``: ``kind:rank:step`` items, comma-separated, each injected once per job (a
 marker in ``FT_MARKS``) right after that rank saves that step: ``kill`` (SIGKILL), ``stop``
-(SIGSTOP), ``raise`` (a Python exception in that rank's training function); and
+(SIGSTOP), ``raise`` (a Python exception in that rank's training function), ``pause``
+(``ft_trainer``'s: the step in every tier of ``FT_TIERS`` or ``FT_WAIT_TIERS``, then sleep);
+and
 ``recurring-raise``, raised at that step and every one after (worded as NCCL words its own
 errors, so only the recovery budget stops it). Every time
 ``train`` starts, each rank prints ``restored <rank> <step|None> pid=<pid>``; when it ends,
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ft_trainer import STEPS, train_step
+from ft_trainer import STEPS, train_step, wait_tiers
 
 import flashckpt
 from flashckpt import Checkpointer
@@ -57,7 +59,7 @@ def scheduled(rank: int) -> tuple[str, str] | None:
     return (kind, f"{kind}-{victim}-at-{n}") if int(victim) == rank else None
 
 
-def inject(rank: int, step: int, planned: dict) -> None:
+def inject(rank: int, step: int, planned: dict, ckpt: Checkpointer | None = None) -> None:
     kind, mark = planned.get((rank, step)), f"{planned.get((rank, step))}-{rank}-{step}"
     if any(k == "recurring-raise" and r == rank and step >= s for (r, s), k in planned.items()):
         # from that step on, every time: a deterministic fault
@@ -77,6 +79,11 @@ def inject(rank: int, step: int, planned: dict) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "raise":
         raise RuntimeError(f"a fault injected in rank {rank} after step {step}")
+    elif kind == "pause" and ckpt is not None:  # as ft_trainer's: the test takes the node
+        for tier in wait_tiers(ckpt.tiers):
+            ckpt.wait(step, tier=tier, timeout=60)
+        (Path(os.environ["FT_MARKS"]) / "paused").touch()
+        time.sleep(3600)
 
 
 def usage() -> str:
@@ -97,7 +104,7 @@ def main() -> None:
         model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": opt}
-    ckpt = Checkpointer()
+    ckpt = Checkpointer(*filter(None, os.environ.get("FT_TIERS", "").split(",")))
     planned = faults()
     step_s = float(os.environ.get("FT_STEP_S", "0"))
     rounds = []
@@ -112,7 +119,7 @@ def main() -> None:
             time.sleep(step_s)  # a real step's compute, before its collectives
             train_step(model, opt, rank, step)
             ckpt.save(step, state)
-            inject(rank, step, planned)
+            inject(rank, step, planned, ckpt)
 
     flashckpt.run_recoverable(train, backend=backend)
     rank = int(os.environ["RANK"])

@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
             log.info("removed the heartbeat pages of ranks %s, left by an earlier run", stale)
         events = EventLog(events_path(run_dir, job))
         controller = start_controller(args, job, run_dir, events)
+        several = not (args.standalone or str(args.nnodes) in ("1", "1:1"))
+        if several and control.Endpoint.load(run_dir, job) is not None:
+            # Each node's newest step in another node's memory: a lost node comes back from
+            # there, not from storage. The agent and the workers read it from here.
+            os.environ.setdefault("FLASHCKPT_PEER_REPLICAS", "1")
+            config.peer_replicas()  # a bad value fails here, not in every worker
     except FlashCkptError as exc:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.

@@ -279,10 +279,14 @@ class TierSource:
         where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
         resharder = Resharder() if world != self.world else None
         run_ = self._incarnations.get(key)
+        opened = []
+
+        def read(tier):
+            opened.append(tier)
+            return tier_io.read_rank(tier, self.job, step, rank, gen, run_)
+
         try:
-            manifest, data = run_with_tier(
-                self.url, lambda t: tier_io.read_rank(t, self.job, step, rank, gen, run_)
-            )
+            manifest, data = run_with_tier(self.url, read)
             producer = plan(manifest, state, allow_pickle, resharder, **opts)
             if resharder is not None and resharder.wants:
                 run_with_tier(self.url,
@@ -291,6 +295,7 @@ class TierSource:
         except (*CORRUPT_COPY, OSError) as exc:  # a bad copy (or the tier's I/O failed)
             log.warning("%s cannot be restored: %s", where, exc)
             return False
+        self.name = opened[0].describe() or self.name  # a peer's memory: which node served it
         if rank != self.rank and (own := per_rank(manifest)):
             log.warning("rank %d was not in the %d-rank job that saved step %d: it restored rank "
                         "%d's copy, whose %d per-rank tensors (the first %r) are rank %d's own",

@@ -1,0 +1,300 @@
+"""``peer://``: another node's memory, as a tier. A node's replica of its newest snapshots.
+
+Every node's agent holds, in its shared memory, the newest complete step of ``k`` other
+nodes (``agent/replicas.py``). From the sending agent and from a restoring rank alike, the
+holder is found the same way: the job's controller lists the nodes and the address each
+agent serves replicas on, and the holder of node ``N`` at ``hop=h`` is the ``h``-th node
+after ``N`` in name order (wrapping around), skipping nodes of ``N``'s failure domain
+(``FLASHCKPT_FAILURE_DOMAIN``) where domains are set, and nodes the controller has lost.
+``peer://auto`` is that holder; ``peer://<node>`` names one.
+
+It is a node-scope tier like a local disk: each node's ranks are stored with their own
+holder. What it reads back is untrusted like any tier's: manifests and chunks are checked by
+the restore. Transfers are plain sockets (``peer_wire``): a restore reads straight into its
+buffer, and the holder sends from its memory with ``sendfile``; the channel is authenticated
+with the job's controller token, over TLS where the controller uses TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flashckpt import config
+from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
+
+from . import peer_wire as wire
+from .base import Leftover, Tier, TierSpec, check_key, iter_chunks
+from .registry import option
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 60.0  # one socket call; a transfer of any size may take longer in all
+RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
+
+
+@dataclass(frozen=True)
+class PeerNode:
+    """A node as the controller lists it: where its agent serves replicas."""
+
+    name: str
+    address: str  # "host:port"; "" where it serves none
+    domain: str = ""
+    lost: bool = False
+
+
+def holder(nodes: list[PeerNode], me: str, hop: int, my_domain: str = "") -> PeerNode | None:
+    """The ``hop``-th node after ``me`` in name order that can hold ``me``'s replica: not
+    ``me``, serving replicas, not lost, and of another failure domain where ``me`` has one;
+    None if there are fewer such nodes than ``hop``. ``me`` need not be listed (a node
+    started again wiped asks before its agent has reported)."""
+    fit = sorted(
+        (n for n in nodes
+         if n.name != me and n.address and not n.lost and not (my_domain and n.domain == my_domain)),
+        key=lambda n: n.name,
+    )  # fmt: skip
+    if hop < 1 or len(fit) < hop:
+        return None
+    after = [n for n in fit if n.name > me] + [n for n in fit if n.name < me]
+    return after[hop - 1]
+
+
+async def list_nodes(job: str, run_dir: Any = None) -> list[PeerNode]:
+    """The job's nodes as its controller knows them; TierUnavailableError without one."""
+    from flashckpt.proto import controller_pb2 as pb
+    from flashckpt.proto import controller_pb2_grpc as pb_grpc
+
+    from flashckpt.faults.control import Endpoint
+
+    endpoint = Endpoint.load(config.run_dir(run_dir), job)
+    if endpoint is None:
+        raise TierUnavailableError(
+            f"peer replicas of job {job!r}: no controller is known on this node (no "
+            f"{job}.controller in the run directory), so no peer can be found; run the job "
+            "under flashckpt-run, or set FLASHCKPT_PEER_REPLICAS=0"
+        )
+    try:
+        async with endpoint.channel() as channel:
+            reply = await pb_grpc.ControllerStub(channel).JobStatus(
+                pb.JobStatusRequest(job=job), metadata=endpoint.metadata(), timeout=10
+            )
+    except Exception as exc:  # grpc.aio.AioRpcError and transport errors alike
+        raise TierUnavailableError(
+            f"peer replicas of job {job!r}: the controller at {endpoint.address} cannot list "
+            f"the nodes ({exc})"
+        ) from None
+    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
+
+
+class PeerTier(Tier):
+    """The memory of the node that holds this node's replica (see the module doc)."""
+
+    def __init__(self, spec: TierSpec):
+        self.spec = spec
+        self.hop = option(spec, "hop", 1, int, "a whole number >= 1")
+        if self.hop < 1:
+            raise ConfigError(f"tier {spec.url}: hop must be >= 1, got {self.hop}")
+        self.named = "" if spec.location in ("", "auto") else spec.location
+        self._held: tuple[float, str, PeerNode] | None = None  # (when, job, holder)
+        self.peer: PeerNode | None = None  # the holder last used (for messages and events)
+
+    # ---- where ------------------------------------------------------------------------
+    async def _holder(self, job: str) -> PeerNode:
+        now = time.monotonic()
+        if self._held is not None and self._held[1] == job and now - self._held[0] < RESOLVE_TTL_S:
+            return self._held[2]
+        nodes = await list_nodes(job)
+        me = config.node_name()
+        if self.named:
+            found = next((n for n in nodes if n.name == self.named and n.address), None)
+        else:
+            domain = str(config.setting("failure_domain", None, "") or "")
+            found = holder(nodes, me, self.hop, domain)
+        if found is None:
+            raise TierUnavailableError(
+                f"peer replicas of job {job!r}: no node can hold node {me}'s replica "
+                f"({self._wanted()}; the controller lists {sorted(n.name for n in nodes)})"
+            )
+        self._held = (now, job, found)
+        self.peer = found
+        return found
+
+    def _wanted(self) -> str:
+        return f"node {self.named}" if self.named else f"hop {self.hop}"
+
+    def _forget(self) -> None:
+        self._held = None
+
+    # ---- the exchange ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _connect(self, peer: PeerNode, job: str, token: str) -> Iterator[socket.socket]:
+        host, _, port = peer.address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+        except (OSError, ValueError) as exc:
+            raise TierUnavailableError(
+                f"peer {peer.name} at {peer.address} cannot be reached: {exc}"
+            ) from None
+        try:
+            sock.settimeout(IO_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            contexts = wire.tls_contexts()
+            if contexts is not None:
+                sock = contexts[1].wrap_socket(sock)
+            _send(sock, {"op": "hello", "job": job, "token": token, "node": config.node_name()})
+            _reply(sock, f"peer {peer.name}")
+            yield sock
+        finally:
+            sock.close()
+
+    async def _call(self, key_or_prefix: str, fn, *args: Any) -> Any:
+        job = key_or_prefix.split("/", 1)[0]
+        config.validate_name("job", job)
+        from flashckpt.faults.control import Endpoint
+
+        endpoint = Endpoint.load(config.run_dir(), job)
+        token = endpoint.token if endpoint is not None else ""
+        peer = await self._holder(job)
+
+        def run() -> Any:
+            with self._connect(peer, job, token) as sock:
+                return fn(sock, peer, *args)
+
+        try:
+            return await asyncio.to_thread(run)
+        except wire.WireError as exc:
+            self._forget()
+            raise _as_error(exc, peer) from None
+        except (OSError, TierUnavailableError):
+            self._forget()  # the holder may have moved: look again next time
+            raise
+
+    async def put(self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview],
+                  size: int) -> None:  # fmt: skip
+        check_key(key)
+        views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
+        await self._call(key, _put, key, views, size)
+
+    async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        check_key(key)
+        return await self._call(key, _get, key, start, end)
+
+    async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
+        check_key(key)
+        await self._call(key, _get_into, key, out, start)
+
+    async def list(self, prefix: str) -> list[str]:
+        check_key(prefix, prefix=True)
+        if not prefix:
+            raise ConfigError(f"tier {self.spec.url} lists one job's keys: give 'job/'")
+        return await self._call(prefix, _list, prefix)
+
+    async def delete(self, prefix: str) -> None:
+        check_key(prefix, prefix=True)
+        await self._call(prefix, _delete, prefix)
+
+    async def leftovers(self, prefix: str) -> list[Leftover]:
+        return []  # the holder discards a broken upload at once: nothing is left over
+
+    async def remove_leftover(self, leftover: Leftover) -> None:
+        return None
+
+    def describe(self) -> str | None:
+        peer = self.peer
+        return None if peer is None else f"peer {peer.name} ({peer.address}) memory"
+
+    async def close(self) -> None:
+        return None
+
+
+# ---- one request each, on a connected socket (run in a thread) -----------------------------
+def _send(sock: socket.socket, header: dict) -> None:
+    sock.sendall(wire.encode(header))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, out: memoryview) -> None:
+    got = 0
+    while got < len(out):
+        n = sock.recv_into(out[got : got + wire.PIECE])
+        if not n:
+            raise wire.WireError("failed", "the peer hung up mid-transfer")
+        got += n
+
+
+def _reply(sock: socket.socket, where: str) -> dict:
+    n = wire.decode_length(_recv_exact(sock, 4))
+    return wire.checked(wire.decode(_recv_exact(sock, n)), where)
+
+
+def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int) -> None:
+    _send(sock, {"op": "put", "key": key, "size": size})
+    _reply(sock, f"peer {peer.name}")  # room made: send
+    sent = 0
+    for view in views:
+        flat = memoryview(view).cast("B")
+        sock.sendall(flat)
+        sent += len(flat)
+    if sent != size:
+        raise wire.WireError("bad", f"{key}: {sent} bytes given for a size of {size}")
+    _reply(sock, f"peer {peer.name}")
+
+
+def _get(sock: socket.socket, peer: PeerNode, key: str, start: int, end: int | None) -> bytes:
+    _send(sock, {"op": "get", "key": key, "start": start, "end": end})
+    size = _size(_reply(sock, f"peer {peer.name}"), peer)
+    return _recv_exact(sock, size)
+
+
+def _get_into(sock: socket.socket, peer: PeerNode, key: str, out: memoryview, start: int) -> None:
+    view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    _send(sock, {"op": "get", "key": key, "start": start, "end": start + len(view)})
+    size = _size(_reply(sock, f"peer {peer.name}"), peer)
+    if size != len(view):
+        raise ValueError(
+            f"peer {peer.name}: object {key!r} holds {size} bytes from byte {start}, expected "
+            f"{len(view)}; it is truncated or the caller's size is wrong"
+        )
+    _recv_into(sock, view)
+
+
+def _size(reply: dict, peer: PeerNode) -> int:
+    size = reply.get("size")
+    if type(size) is not int or size < 0:
+        raise wire.WireError("bad", f"peer {peer.name} answered a size of {size!r}")
+    return size
+
+
+def _list(sock: socket.socket, peer: PeerNode, prefix: str) -> list[str]:
+    _send(sock, {"op": "list", "prefix": prefix})
+    keys = _reply(sock, f"peer {peer.name}").get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise wire.WireError("bad", f"peer {peer.name} answered a listing that is not keys")
+    return sorted(keys)
+
+
+def _delete(sock: socket.socket, peer: PeerNode, prefix: str) -> None:
+    _send(sock, {"op": "delete", "prefix": prefix})
+    _reply(sock, f"peer {peer.name}")
+
+
+def _as_error(exc: wire.WireError, peer: PeerNode) -> Exception:
+    if exc.code == "missing":
+        return CheckpointNotFoundError(str(exc))
+    if exc.code == "full":
+        import errno
+
+        return OSError(errno.ENOSPC, str(exc))
+    return TierUnavailableError(f"{exc} (peer {peer.name} at {peer.address})")

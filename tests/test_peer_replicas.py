@@ -1,0 +1,102 @@
+"""Peer replicas under ``flashckpt-run`` with real processes, each simulated node with its own
+shared memory, run directory and agent: a lost node under in-process recovery comes back from
+a peer's memory too, and when the peer holding a node's replica is lost with it, its ranks
+(and so the job) go back to the newest step they can still read, from storage. The two-node
+case under the restart policy is ``test_launcher``'s."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from faults import poll
+from test_launcher import (
+    PEER,
+    PER_NODE,
+    Cluster,
+    explain,
+    held_steps,
+    lose_a_node,
+    reference,
+    restores,
+    run_job,
+)
+
+__all__ = ["reference"]  # the two-node undisturbed run's digest, shared with test_launcher
+
+INPROCESS = ROOT / "tests" / "inprocess_trainer.py"
+
+
+@pytest.mark.slow
+def test_under_in_process_recovery_a_lost_node_comes_back_from_a_peer(tmp_path, reference):
+    pfs = f"pfs://{tmp_path / 'ip-pfs'}?every_steps=1000"
+    cluster = Cluster(tmp_path, "ip-lost", trainer=INPROCESS, FT_TIERS=pfs, FT_WAIT_TIERS=PEER,
+                      FT_FAULTS="pause:2:12", FLASHCKPT_RESTART_POLICY="in-process",
+                      FLASHCKPT_RECOVERY_DEADLINE="15", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
+    try:
+        lose_a_node(cluster, 1)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0], explain(run)
+    kept, fresh = restores(run.events[0]), restores(run.events[1])
+    assert len(kept) == len(fresh) == PER_NODE, explain(run)
+    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
+    assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
+    assert all(e["source"].startswith("peer node0 ") for e in fresh.values()), fresh
+    assert run.digest == reference
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory) -> str:
+    run = run_job(tmp_path_factory.mktemp("ref3"), "ref3", nodes=3, node_env=({}, {}, {}))
+    assert run.codes == [0, 0, 0] and run.digest, explain(run)
+    return run.digest
+
+
+@pytest.mark.slow
+def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read(
+    tmp_path, reference3
+):
+    """Three nodes, one replica each (node 0's on node 1, node 1's on node 2, node 2's on node
+    0), the shared tier every 5 steps. Nodes 1 and 2 are lost together after step 12: node 2's
+    ranks could read step 12 from node 0's memory, but node 1's replica was on node 2, so
+    its ranks can read step 10 at best, from storage; every rank resumes after step 10."""
+    pfs = tmp_path / "two-pfs"
+    cluster = Cluster(tmp_path, "two", ({}, {}, {}), nodes=3, FT_TIERS=f"pfs://{pfs}?every_steps=5",
+                      FT_FAULT="pause", FT_RANK="2", FT_STEP="12", FT_WAIT_TIERS=PEER,
+                      FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
+    try:
+        cluster.start(0)
+        assert poll(lambda: (cluster.run_dirs[0] / f"{cluster.job}.controller").exists(), 60)
+        for n in (1, 2):
+            cluster.start(n)
+        assert poll(lambda: (cluster.marks / "paused").exists(), 180), cluster.finish(1)
+        # Step 10 is in storage for every rank; node 2's step 12 is in node 0's memory.
+        assert poll(lambda: held_steps(pfs, cluster.job).get(10) == set(range(6)), 60)
+        holder = Path(cluster.shm[0]) / f"{cluster.job}.replicas" / "node2"
+        assert poll(lambda: any(holder.rglob("commit-node2.json")), 60)
+        for n in (1, 2):
+            cluster.signal_node(n, signal.SIGSTOP)
+        assert poll(lambda: any(e["kind"] == "node_lost" for e in cluster.events(0)), 30)
+        for n in (1, 2):
+            cluster.lose(n)
+        time.sleep(0.5)
+        for n in (1, 2):
+            cluster.start(n)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0, 0], explain(run)
+    resumed = {}
+    for events in run.events:
+        resumed.update(restores(events))
+    assert sorted(resumed) == list(range(3 * PER_NODE)), explain(run)
+    assert {e["step"] for e in resumed.values()} == {10}, resumed
+    assert all(resumed[r]["source"].startswith("pfs") for r in (2, 3)), resumed
+    assert run.digest == reference3

@@ -1,0 +1,189 @@
+"""``peer://`` against a real replica store and a real controller, in one process: the holder
+is found through the controller, objects go and come back whole, a listing and a delete are
+one source node's, a wrong token is refused, a replica that would crowd out the trainers'
+memory is refused, and a restore reads a corrupt replica chunk as corrupt."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+from flashckpt.agent import replicas as replicas_module
+from flashckpt.agent.controller import Controller, InThread
+from flashckpt.proto import controller_pb2 as pb
+from flashckpt.storage_tiers import open_tier
+from flashckpt.storage_tiers.peer import PeerNode, holder
+
+from flashckpt import Checkpointer
+from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
+from flashckpt.faults import control
+from flashckpt.format import layout
+
+TOKEN = "peer-tests-" + uuid.uuid4().hex
+
+
+def test_the_holder_is_the_next_node_by_name_that_can_hold():
+    nodes = [PeerNode("n1", "a:1"), PeerNode("n3", "a:3"), PeerNode("n2", "a:2"),
+             PeerNode("n4", "", ), PeerNode("n5", "a:5", lost=True)]  # fmt: skip
+    assert holder(nodes, "n1", 1).name == "n2"
+    assert holder(nodes, "n1", 2).name == "n3"
+    assert holder(nodes, "n3", 1).name == "n1"  # wraps around; n4 serves none, n5 is lost
+    assert holder(nodes, "n3", 3) is None  # only two nodes other than n3 can hold
+    assert holder(nodes, "n0", 1).name == "n1"  # a wiped node asks before it reports
+    racks = [PeerNode("a1", "x:1", "r1"), PeerNode("a2", "x:2", "r1"), PeerNode("b1", "x:3", "r2")]
+    assert holder(racks, "a1", 1, "r1").name == "b1"  # never in the source's failure domain
+    assert holder(racks, "a1", 2, "r1") is None
+    assert holder(nodes, "n1", 0) is None
+
+
+class Nodes:
+    """A controller and one replica store per named node; ``as_node`` makes this process
+    that node (its name, its run directory with the controller's endpoint)."""
+
+    def __init__(self, tmp_path, monkeypatch, job: str, names: list[str]):
+        self.tmp, self.mp, self.job = tmp_path, monkeypatch, job
+        self.controller = InThread(Controller(), "127.0.0.1:0", TOKEN)
+        self.address = f"127.0.0.1:{self.controller.start_serving()}"
+        self.stores: dict[str, replicas_module.ReplicaStore] = {}
+        self.loop = asyncio.new_event_loop()
+        for name in names:
+            run_dir = self.run_dir(name)
+            shm = tmp_path / f"shm-{name}"
+            shm.mkdir()
+            store = replicas_module.ReplicaStore(job, shm, run_dir)
+            self.loop.run_until_complete(store.start("127.0.0.1"))
+            self.stores[name] = store
+            self.controller.controller.report(pb.NodeReport(
+                job=job, node=name, agent_id=f"{name}-a", peer_address=store.address))  # fmt: skip
+
+    def run_dir(self, name: str):
+        path = self.tmp / f"run-{name}"
+        if not path.exists():
+            path.mkdir(mode=0o700)
+            control.Endpoint(self.address, TOKEN).save(path, self.job)
+        return path
+
+    def as_node(self, name: str) -> None:
+        self.mp.setenv("FLASHCKPT_NODE", name)
+        self.mp.setenv("FLASHCKPT_RUN_DIR", str(self.run_dir(name)))
+
+    def serve(self) -> None:
+        """Let the stores answer while the test's own event loops run elsewhere."""
+        import threading
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            asyncio.run_coroutine_threadsafe(store.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.controller.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    made = []
+
+    def make(names: list[str], job: str = "pj") -> Nodes:
+        n = Nodes(tmp_path, monkeypatch, job, names)
+        n.serve()
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_objects_go_to_the_next_node_and_come_back_whole(nodes):
+    cluster = nodes(["node0", "node1", "node2"])
+    cluster.as_node("node1")
+    data = bytes(range(256)) * 40_000  # about 10 MiB: several pieces on the wire
+
+    async def go():
+        tier = open_tier("peer://auto")
+        await tier.put("pj/a/b", [memoryview(data[:5]), memoryview(data[5:])], len(data))
+        assert tier.peer.name == "node2"
+        assert await tier.get("pj/a/b") == data
+        assert await tier.get("pj/a/b", 10, 20) == data[10:20]
+        out = bytearray(100)
+        await tier.get_into("pj/a/b", memoryview(out), 1000)
+        assert bytes(out) == data[1000:1100]
+        assert await tier.list("pj/") == ["pj/a/b"]
+        with pytest.raises(CheckpointNotFoundError):
+            await tier.get("pj/nothing")
+        await tier.delete("pj/a")
+        assert await tier.list("pj/") == []
+
+    run(go())
+    held = cluster.stores["node2"].root
+    assert not any(held.rglob("b"))  # deleted from the holder's memory
+    cluster.as_node("node0")  # another source node sees its own objects only
+    run(open_tier("peer://auto?hop=2").put("pj/x", [memoryview(b"x")], 1))
+    cluster.as_node("node1")
+    assert run(open_tier("peer://node2").list("pj/")) == []
+
+
+def test_a_wrong_token_is_refused(nodes):
+    cluster = nodes(["node0", "node1"])
+    cluster.as_node("node0")
+    # The holder's node was given another token than this one.
+    control.Endpoint(cluster.address, "y" * 40).save(cluster.run_dir("node1"), "pj")
+    with pytest.raises(TierUnavailableError, match="wrong job or token"):
+        run(open_tier("peer://auto").list("pj/"))
+    control.Endpoint(cluster.address, TOKEN).save(cluster.run_dir("node1"), "pj")
+    assert run(open_tier("peer://auto").list("pj/")) == []
+
+
+def test_a_replica_that_would_crowd_out_the_trainers_is_refused(nodes, monkeypatch, caplog):
+    cluster = nodes(["node0", "node1"])
+    cluster.as_node("node0")
+    monkeypatch.setattr(replicas_module, "RESERVE", 1.0)  # every byte is the trainers'
+    with pytest.raises(OSError, match="no room for"):
+        run(open_tier("peer://auto").put("pj/big", [memoryview(b"y" * 1000)], 1000))
+    assert cluster.stores["node1"].refused == 1
+    assert "refused" in caplog.text
+
+
+def test_no_holder_and_no_controller_say_what_to_do(nodes, tmp_path, monkeypatch):
+    cluster = nodes(["node0"])
+    cluster.as_node("node0")
+    with pytest.raises(TierUnavailableError, match="no node can hold node node0's replica"):
+        run(open_tier("peer://auto").list("pj/"))
+    empty = tmp_path / "no-controller"
+    empty.mkdir(mode=0o700)
+    monkeypatch.setenv("FLASHCKPT_RUN_DIR", str(empty))
+    with pytest.raises(TierUnavailableError, match="FLASHCKPT_PEER_REPLICAS=0"):
+        run(open_tier("peer://auto").list("pj/"))
+
+
+def test_a_restore_from_a_peer_checks_every_chunk(nodes, monkeypatch, shm_dir):
+    cluster = nodes(["node0", "node1"], job="pr")
+    cluster.as_node("node0")
+    state = {"w": torch.randn(1000), "b": torch.randn(10)}
+    with Checkpointer("peer://auto?keep_last=1", job="pr") as ck:
+        ck.save(3, state)
+        assert ck.wait(3, tier="peer://auto?keep_last=1", timeout=60) == 3
+    # The node is wiped: only the peer holds step 3.
+    import shutil
+
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    fresh = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    with Checkpointer("peer://auto?keep_last=1", job="pr") as ck:
+        assert ck.restore(fresh) == 3
+        assert ck._restored_from.startswith("peer node1")
+    assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
+    # A flipped byte in the holder's copy: the restore refuses it, and nothing else holds it.
+    data = next(cluster.stores["node1"].root.rglob(layout.data_key("pr", 3, 0).split("/")[-1]))
+    raw = bytearray(data.read_bytes())
+    raw[7] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    with Checkpointer("peer://auto?keep_last=1", job="pr") as ck:
+        assert ck.restore({"w": torch.zeros(1000), "b": torch.zeros(10)}) is None
