@@ -70,7 +70,7 @@ class ReplicaStore:
 
     def __init__(self, job: str, shm_dir: Path, run_dir: Path, metrics: Any = None):
         self.job, self.shm_dir, self.run_dir, self.metrics = job, shm_dir, run_dir, metrics
-        self.root = shm_dir / f"{job}.replicas"
+        self.root = store_root(shm_dir, job)
         self.refused = 0  # replicas refused for want of memory
         self.address = ""
         self.held_now: list[tuple[str, int, int, list[int]]] = []  # ``held()``, as last seen
@@ -98,15 +98,7 @@ class ReplicaStore:
 
     async def held(self) -> list[tuple[str, int, int, list[int]]]:
         """(source node, generation, step, ranks) of every complete replica held."""
-        out = []
-        for node in sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []:
-            try:
-                listing = await tier_io.list_steps(self.tier(node), self.job)
-            except (OSError, ConfigError):
-                continue
-            for (gen, step), c in sorted(tier_io.complete(listing).items()):
-                out.append((node, gen, step, sorted(c.ranks)))
-        return out
+        return await held_replicas(self.root, self.job)
 
     async def close(self, remove: bool = True) -> None:
         """Stop serving; with ``remove``, give the memory back (the job is over here)."""
@@ -254,6 +246,25 @@ class ReplicaStore:
             await _answer(writer, {"ok": True, "size": count})
             if count:
                 await asyncio.get_running_loop().sendfile(writer.transport, f, start, count)
+
+
+def store_root(shm_dir: Path, job: str) -> Path:
+    """Where a node holds ``job``'s replicas of other nodes."""
+    return shm_dir / f"{job}.replicas"
+
+
+async def held_replicas(root: Path, job: str) -> list[tuple[str, int, int, list[int]]]:
+    """(source node, generation, step, ranks) of every complete replica under ``root``."""
+    out = []
+    for node in sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        try:
+            tier = LocalTier(parse_spec(f"file://{root / node}"))
+            listing = await tier_io.list_steps(tier, job)
+        except (OSError, ConfigError):
+            continue
+        for (gen, step), c in sorted(tier_io.complete(listing).items()):
+            out.append((node, gen, step, sorted(c.ranks)))
+    return out
 
 
 def _text(header: dict, name: str) -> str:

@@ -68,6 +68,21 @@ def holder(nodes: list[PeerNode], me: str, hop: int, my_domain: str = "") -> Pee
 
 async def list_nodes(job: str, run_dir: Any = None) -> list[PeerNode]:
     """The job's nodes as its controller knows them; TierUnavailableError without one."""
+    reply = await _job_status(job, run_dir)
+    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
+
+
+async def replicas_of(
+    job: str, source: str, run_dir: Any = None
+) -> list[tuple[str, int, int, list[int]]]:
+    """(holder node, generation, step, ranks) of every replica of ``source``'s ranks the
+    job's nodes hold, as they last reported to the controller."""
+    reply = await _job_status(job, run_dir)
+    return [(n.node, r.generation, r.step, sorted(r.ranks))
+            for n in reply.nodes for r in n.replicas if r.source == source]  # fmt: skip
+
+
+async def _job_status(job: str, run_dir: Any) -> Any:
     from flashckpt.proto import controller_pb2 as pb
     from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
@@ -90,7 +105,7 @@ async def list_nodes(job: str, run_dir: Any = None) -> list[PeerNode]:
             f"peer replicas of job {job!r}: the controller at {endpoint.address} cannot list "
             f"the nodes ({exc})"
         ) from None
-    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
+    return reply
 
 
 class PeerTier(Tier):

@@ -6,6 +6,10 @@ memory is refused, and a restore reads a corrupt replica chunk as corrupt."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -179,6 +183,21 @@ def test_a_restore_from_a_peer_checks_every_chunk(nodes, monkeypatch, shm_dir):
         assert ck.restore(fresh) == 3
         assert ck._restored_from.startswith("peer node1")
     assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
+    # Both sides of it are listed: from node1's replica store (what it holds for node0) and
+    # from node0 (which peer holds its ranks, as reported to the controller).
+    cluster.controller.controller.report(pb.NodeReport(
+        job="pr", node="node1", agent_id="node1-a", peer_address=cluster.stores["node1"].address,
+        replicas=[pb.Replica(source=n, generation=g, step=s, ranks=r)
+                  for n, g, s, r in run(cluster.stores["node1"].held())]))  # fmt: skip
+    shown = subprocess.run([sys.executable, "-m", "flashckpt.cli", "ls", "shm", "--job", "pr",
+                            "--json"], capture_output=True, text=True, env=os.environ)  # fmt: skip
+    doc = json.loads(shown.stdout).get("peer_replicas", shown.stdout + shown.stderr)
+    assert isinstance(doc, dict), doc
+    assert doc["elsewhere"] == [{"holder": "node1", "generation": 0, "step": 3, "ranks": [0]}]
+    here = subprocess.run([sys.executable, "-m", "flashckpt.cli", "ls", "shm", "--job", "pr",
+                           "--shm-dir", str(cluster.stores["node1"].shm_dir)],
+                          capture_output=True, text=True, env=os.environ)  # fmt: skip
+    assert "step 3 of node node0's ranks 0 held here" in here.stdout, here.stdout + here.stderr
     # A flipped byte in the holder's copy: the restore refuses it, and nothing else holds it.
     data = next(cluster.stores["node1"].root.rglob(layout.data_key("pr", 3, 0).split("/")[-1]))
     raw = bytearray(data.read_bytes())

@@ -234,3 +234,24 @@ def test_the_cli_projects_without_logs_and_asks_for_them_otherwise():
     run = subprocess.run([sys.executable, "-m", "flashckpt.cli", "report"], capture_output=True,
                          text=True)  # fmt: skip
     assert run.returncode != 0 and "--project" in run.stderr
+
+
+def test_lost_nodes_are_split_by_whether_a_peers_replica_served_them():
+    events = timeline(
+        (0, "launcher_started", {}),
+        (5.0, "node_lost", {"nodes": ["node1"], "ranks": [2, 3], "age_s": 3.0, "step": 12}),
+        (9.0, "restored", {"rank": 0, "step": 12, "seconds": 0.1, "source": "shared memory"}),
+        (9.1, "restored", {"rank": 2, "step": 12, "seconds": 0.2,
+                           "source": "peer node0 (10.0.0.1:4242) memory"}),
+        (30.0, "node_lost", {"nodes": ["node1", "node2"], "ranks": [2, 3, 4, 5], "step": 40}),
+        (35.0, "restored", {"rank": 2, "step": 30, "seconds": 1.0, "source": "pfs:///ckpt"}),
+        (60.0, "launcher_exited", {}),
+    )  # fmt: skip
+    report = summarize(events)
+    assert [f.from_replica for f in report.failures] == [True, False]
+    losses = report.node_losses()
+    assert losses["replica"] == {"failures": 1, "recomputed_steps": 1}
+    assert losses["storage"] == {"failures": 1, "recomputed_steps": 11}
+    text = render(report)
+    assert "restored step 12 from a peer's replica" in text
+    assert "lost nodes: 1 served by a peer's replica (1 step(s) recomputed), 1 from storage (11)" in text

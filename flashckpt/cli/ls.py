@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 from typing import Any
 
+from .. import config
+from ..errors import TierUnavailableError
 from .common import (
     OK,
     Output,
+    Problem,
     Progress,
     add_dirs,
     add_job,
@@ -33,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs=1, metavar="URL",
                    help="a tier URL (file:///dir, pfs:///dir, s3://bucket/prefix?..., or any fsspec URL: gs://...) or 'shm'")  # fmt: skip
     add_job(p)
-    add_dirs(p)
+    add_dirs(p, run=True)
 
 
 def _step_doc(info: StepInfo, memory: bool) -> dict[str, Any]:
@@ -84,12 +88,59 @@ async def _ls(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                         "jobs": [{"job": j, key: n} for j, n in sorted(jobs.items())]}  # fmt: skip
             job = next(iter(jobs))
         else:
-            await require_job(loc, job)
+            try:
+                await require_job(loc, job)
+            except Problem:
+                # A node started again wiped holds nothing of the job: its peers may.
+                if url != SHM or not _any_held(
+                    peers := await _peer_replicas(out, job, shm_dir(args), args)
+                ):
+                    raise
+                out.line(f"job {job} in {loc.shown}: nothing in this node's memory")
+                return {"location": loc.shown, "job": job, "steps": [], "problems": [],
+                        "peer_replicas": peers}  # fmt: skip
         with Progress("reading manifests", unit="manifests") as progress:
             infos, problems = await loc.steps(job, progress)
     steps = [_step_doc(i, url == SHM) for i in infos]
     _show_steps(out, loc.shown, job, steps, problems)
-    return {"location": loc.shown, "job": job, "steps": steps, "problems": problems}
+    doc = {"location": loc.shown, "job": job, "steps": steps, "problems": problems}
+    if url == SHM:
+        doc["peer_replicas"] = await _peer_replicas(out, job, shm_dir(args), args)
+    return doc
+
+
+def _any_held(doc: dict) -> bool:
+    return bool(doc["elsewhere"] or doc["here"])
+
+
+async def _peer_replicas(out: Output, job: str, shm: Path, args: argparse.Namespace) -> dict:
+    """What other nodes hold of this node's ranks (their reports to the job's controller),
+    and what this node holds for them (its replica store)."""
+    from ..agent.replicas import held_replicas, store_root
+    from ..storage_tiers.peer import replicas_of
+
+    me = config.node_name()
+    doc: dict[str, Any] = {"node": me, "elsewhere": [], "here": [], "unknown": ""}
+    try:
+        found = await replicas_of(job, me, getattr(args, "run_dir", None))
+        doc["elsewhere"] = [{"holder": h, "generation": g, "step": s, "ranks": r}
+                            for h, g, s, r in found]  # fmt: skip
+    except TierUnavailableError as exc:
+        doc["unknown"] = str(exc)
+    held = await held_replicas(store_root(shm, job), job)
+    doc["here"] = [{"source": n, "generation": g, "step": s, "ranks": r} for n, g, s, r in held]
+    if not _any_held(doc):
+        return doc
+    out.line(f"peer replicas of job {job} (this node: {me}):")
+    for e in doc["elsewhere"]:
+        out.line(
+            f"  step {e['step']} of ranks {ranks_text(e['ranks'])} in node {e['holder']}'s memory"
+        )
+    for e in doc["here"]:
+        out.line(
+            f"  step {e['step']} of node {e['source']}'s ranks {ranks_text(e['ranks'])} held here"
+        )
+    return doc
 
 
 def run(args: argparse.Namespace, out: Output) -> int:

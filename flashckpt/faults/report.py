@@ -44,6 +44,12 @@ class Failure:
     rendezvous_s: float | None = None
     replacement_s: float | None = None
     fallback: str | None = None  # why in-process recovery gave way to a restart
+    sources: list[str] = field(default_factory=list)  # where its ranks restored from
+
+    @property
+    def from_replica(self) -> bool:
+        """Whether a peer's replica served some rank's restore (a lost node's, from memory)."""
+        return any(s.startswith("peer ") for s in self.sources)
 
     def recomputed_steps(self) -> int | None:
         if self.restored_step is None or self.last_step is None:
@@ -85,9 +91,21 @@ class Report:
             "wall_s": self.wall_s, "lost_s": self.lost_s(), "step_s": self.step_s,
             "effective": self.effective(), "save_stall_s": self.save_stall_s,
             "stall_per_save_s": self.stall_per_save_s,
-            "failures": [{**f.__dict__, "resume_s": f.resume_s,
+            "failures": [{**f.__dict__, "resume_s": f.resume_s, "from_replica": f.from_replica,
                           "recomputed_steps": f.recomputed_steps()} for f in self.failures],
+            "node_losses": self.node_losses(),
         }  # fmt: skip
+
+    def node_losses(self) -> dict[str, dict[str, int]]:
+        """Lost nodes, split by whether a peer's replica served their ranks: how many, and
+        the steps recomputed after them."""
+        out = {k: {"failures": 0, "recomputed_steps": 0} for k in ("replica", "storage")}
+        for f in self.failures:
+            if f.kind == "node":
+                split = out["replica" if f.from_replica else "storage"]
+                split["failures"] += 1
+                split["recomputed_steps"] += f.recomputed_steps() or 0
+        return out
 
 
 _FAILURE = {"hang_detected": "hang", "worker_exited": "exit", "node_lost": "node"}
@@ -207,6 +225,8 @@ class _Reader:
         f.restore_s = max(f.restore_s or 0.0, took)
         f.restored_step = _int(e.get("step"))
         f.resumed_at = max(f.resumed_at or t, t)
+        if isinstance(e.get("source"), str) and e["source"] not in f.sources:
+            f.sources.append(e["source"])
 
     def on_stepped(self, e: dict, t: float) -> None:
         f = self.report.failures[-1] if self.report.failures else None
@@ -250,12 +270,20 @@ def render(report: Report) -> str:
             parts = (f"restart{' (in-process fell back: ' + f.fallback + ')' if f.fallback else ''}: "
                      f"detect {f.detect_s:.1f}s, restart {_s(f.restart_s)}, "
                      f"restore {_s(f.restore_s)}")  # fmt: skip
+        served = ""
+        if f.kind == "node":
+            served = " from a peer's replica" if f.from_replica else " from storage"
         lines.append(
             f"  {i}. {what} of rank(s) {sorted(set(r for r in f.ranks if r is not None))}, "
             f"{parts}; training again {_s(f.resume_s and f.resume_s + f.detect_s)} after it; "
-            f"restored step {f.restored_step}, recomputed "
+            f"restored step {f.restored_step}{served}, recomputed "
             f"{steps if steps is not None else '?'} step(s)"
         )  # fmt: skip
+    losses = report.node_losses()
+    if losses["replica"]["failures"] or losses["storage"]["failures"]:
+        r, s = losses["replica"], losses["storage"]
+        lines.append(f"lost nodes: {r['failures']} served by a peer's replica ({r['recomputed_steps']} "
+                     f"step(s) recomputed), {s['failures']} from storage ({s['recomputed_steps']})")  # fmt: skip
     step = f"{report.step_s * 1000:.1f} ms" if report.step_s else "unknown"
     lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s (the slowest rank's)")
     effective = report.effective()
