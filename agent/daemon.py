@@ -26,6 +26,9 @@ from .service import AgentService
 
 log = logging.getLogger(__name__)
 
+DEFAULT_NICE = 10
+"""How much lower than the trainers' the agent's CPU priority is (FLASHCKPT_AGENT_NICE)."""
+
 DEFAULT_GIVE_UP_AFTER = 3600.0
 """Seconds an idle agent keeps retrying a tier that is behind before it exits anyway."""
 
@@ -52,6 +55,9 @@ async def serve(
     (a failing tier is retried, with backoff, for ``give_up_after`` seconds first). Reports
     the node to the job's controller when a launcher named one (see ``link``)."""
     config.validate_name("job", job)
+    nice = config.setting_int("agent_nice", None, DEFAULT_NICE, lo=0, hi=19)
+    if nice:  # the trainers first: persistence and replicas take the cycles they leave
+        os.nice(nice)
     sock = socket_path(run_dir, job)  # a path past the unix limit fails before the lock
     lock_fd = claim(run_dir, job)
     sock.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import socket
 import time
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 60.0  # one socket call; a transfer of any size may take longer in all
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
+_RESOLVED: dict[tuple, tuple[float, PeerNode]] = {}  # (job, run dir, node, ...) -> holder
 
 
 @dataclass(frozen=True)
@@ -117,27 +119,33 @@ class PeerTier(Tier):
         if self.hop < 1:
             raise ConfigError(f"tier {spec.url}: hop must be >= 1, got {self.hop}")
         self.named = "" if spec.location in ("", "auto") else spec.location
-        self._held: tuple[float, str, PeerNode] | None = None  # (when, job, holder)
         self.peer: PeerNode | None = None  # the holder last used (for messages and events)
 
     # ---- where ------------------------------------------------------------------------
+    def _key(self, job: str) -> tuple:
+        domain = str(config.setting("failure_domain", None, "") or "")
+        return (job, str(config.run_dir()), config.node_name(), domain, self.named, self.hop)
+
     async def _holder(self, job: str) -> PeerNode:
-        now = time.monotonic()
-        if self._held is not None and self._held[1] == job and now - self._held[0] < RESOLVE_TTL_S:
-            return self._held[2]
+        """The holder, looked up at most every RESOLVE_TTL_S per process (a restore opens
+        the tier for each listing and read: one controller call serves them all)."""
+        key, now = self._key(job), time.monotonic()
+        held = _RESOLVED.get(key)
+        if held is not None and now - held[0] < RESOLVE_TTL_S:
+            self.peer = held[1]
+            return held[1]
         nodes = await list_nodes(job)
-        me = config.node_name()
+        _, _, me, domain, _, _ = key
         if self.named:
             found = next((n for n in nodes if n.name == self.named and n.address), None)
         else:
-            domain = str(config.setting("failure_domain", None, "") or "")
             found = holder(nodes, me, self.hop, domain)
         if found is None:
             raise TierUnavailableError(
                 f"peer replicas of job {job!r}: no node can hold node {me}'s replica "
                 f"({self._wanted()}; the controller lists {sorted(n.name for n in nodes)})"
             )
-        self._held = (now, job, found)
+        _RESOLVED[key] = (now, found)
         self.peer = found
         return found
 
@@ -145,7 +153,7 @@ class PeerTier(Tier):
         return f"node {self.named}" if self.named else f"hop {self.hop}"
 
     def _forget(self) -> None:
-        self._held = None
+        _RESOLVED.clear()
 
     # ---- the exchange ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -204,6 +212,13 @@ class PeerTier(Tier):
     async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
         check_key(key)
         await self._call(key, _get_into, key, out, start)
+
+    async def get_scatter(self, key: str, pieces: list[tuple[int, int, int]], size: int) -> None:
+        """Receive ``key``'s ``size`` bytes in one pass, each (offset, address, bytes) of
+        ``pieces`` (in offset order, not overlapping, within ``size``) written straight to its
+        address and the rest read past: a restore's targets filled with no buffer between."""
+        check_key(key)
+        await self._call(key, _get_scatter, key, pieces, size)
 
     async def list(self, prefix: str) -> list[str]:
         check_key(prefix, prefix=True)
@@ -283,6 +298,31 @@ def _get_into(sock: socket.socket, peer: PeerNode, key: str, out: memoryview, st
             f"{len(view)}; it is truncated or the caller's size is wrong"
         )
     _recv_into(sock, view)
+
+
+def _get_scatter(sock: socket.socket, peer: PeerNode, key: str,
+                 pieces: list[tuple[int, int, int]], size: int) -> None:  # fmt: skip
+    _send(sock, {"op": "get", "key": key, "start": 0, "end": size})
+    got = _size(_reply(sock, f"peer {peer.name}"), peer)
+    if got != size:
+        raise ValueError(f"peer {peer.name}: object {key!r} holds {got} bytes, expected {size}")
+    scratch = memoryview(bytearray(min(size, wire.PIECE) or 1))
+    at = 0
+    for offset, address, n in pieces:
+        if offset < at or offset + n > size:
+            raise ValueError(f"{key}: a piece at {offset} of {n} bytes in {size}, after {at}")
+        _skip(sock, scratch, offset - at)
+        if n:
+            _recv_into(sock, memoryview((ctypes.c_char * n).from_address(address)).cast("B"))
+        at = offset + n
+    _skip(sock, scratch, size - at)
+
+
+def _skip(sock: socket.socket, scratch: memoryview, n: int) -> None:
+    while n > 0:
+        step = min(n, len(scratch))
+        _recv_into(sock, scratch[:step])
+        n -= step
 
 
 def _size(reply: dict, peer: PeerNode) -> int:

@@ -275,7 +275,7 @@ async def read_rank(
     manifest says, is a ManifestError naming the object. ``incarnation``: the run the step's
     commit markers name (see ``read_manifest``)."""
     manifest = await read_manifest(tier, job, step, rank, generation, incarnation)
-    data = await _read_data(tier, manifest)
+    data = await read_data(tier, manifest)
     if any(e.stored_at is not None for e in manifest.entries):
         return await _with_replicas(tier, manifest, data)
     return manifest, data
@@ -294,7 +294,8 @@ async def check_data_size(tier, manifest: Manifest) -> str:
     return dkey
 
 
-async def _read_data(tier, manifest: Manifest) -> torch.Tensor:
+async def read_data(tier, manifest: Manifest) -> torch.Tensor:
+    """A rank's whole data region, sized and checked against ``manifest``."""
     dkey = await check_data_size(tier, manifest)
     size = manifest.data_len
     data = allocate(size, f"{tier.spec.url}/{dkey}")

@@ -33,7 +33,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,25 +155,80 @@ class _HostChunks:
         return True
 
 
+Scatter = Callable[[list[tuple[int, int, int]]], None]
+"""Receives a stored data region in one pass: (offset, address, bytes) of each piece wanted,
+in offset order, written straight to its address; what lies between is read past."""
+
+
 @dataclass
 class Source:
-    """The bytes of one rank's snapshot, wherever they are (a slot, a file, a buffer)."""
+    """The bytes of one rank's snapshot, wherever they are (a slot, a file, a buffer), or
+    still to be fetched from a tier: then ``fetch`` reads them whole when an entry is asked
+    for, and ``scatter``, where given, receives the host chunks queued straight into their
+    targets instead (a restore from a peer's memory: no buffer to fault in and copy out of;
+    each chunk is checked where it landed)."""
 
-    data: torch.Tensor  # uint8, the whole data region
+    data: torch.Tensor | None  # uint8, the whole data region; None: not fetched yet
     where: str
     verify: bool = True
     pinned: bool = False  # page-locked: device uploads read it directly
+    size: int = -1  # the data region's bytes (``data``'s where it is given)
+    fetch: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    scatter: Scatter | None = field(default=None, repr=False)
     _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
     _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
 
+    def __post_init__(self) -> None:
+        if self.data is not None:
+            self.size = self.data.numel()
+        elif self.fetch is None or self.size < 0:
+            raise ValueError("a Source without its data needs its size and a fetch")
+
+    def bytes(self) -> torch.Tensor:
+        """The whole data region, fetched now if it was not."""
+        if self.data is None:
+            assert self.fetch is not None
+            self.data = self.fetch()
+            if self.data.numel() != self.size:
+                raise ManifestError(f"{self.where}: {self.data.numel()} bytes read, the manifest "
+                                    f"says {self.size}; restore from another tier or an older step")  # fmt: skip
+        return self.data
+
+    def _received_into(self, chunks: _HostChunks) -> None:
+        """``scatter`` the queued host chunks into their targets, then check each there."""
+        order = sorted(range(len(chunks.frm)), key=chunks.frm.__getitem__)
+        end = 0
+        for j in order:  # entries never overlap in a checked manifest; refuse if they do
+            if chunks.frm[j] < end:
+                raise ManifestError(f"{self.where}: entries overlap at byte {chunks.frm[j]}")
+            end = chunks.frm[j] + chunks.size[j]
+        assert self.scatter is not None
+        self.scatter([(chunks.frm[j], chunks.to[j], chunks.size[j]) for j in order])
+        to, size, want = chunks.to, chunks.size, chunks.want
+
+        def check(first: int, last: int) -> Bad | None:
+            for j in range(first, last):
+                if want[j] is not None and size[j]:
+                    view = memoryview((ctypes.c_char * size[j]).from_address(to[j])).cast("B")
+                    if (value := crc(view)) != want[j]:
+                        return j, 0, value
+            return None
+
+        found = [r for f in [_workers().submit(check, a, b) for a, b in _spread(size)]
+                 if (r := f.result()) is not None]  # fmt: skip
+        if found:
+            j, _, value = found[0]
+            entry, cs, i = chunks.owner[j]
+            raise chunk_mismatch(self.where, entry, i, value, cs)
+
     def _raw(self, entry: Entry) -> torch.Tensor:
-        raw = self.data[entry.offset : entry.offset + entry.nbytes]
+        raw = self.bytes()[entry.offset : entry.offset + entry.nbytes]
         return raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
 
     def view(self, entry: Entry, chunk_size: int) -> torch.Tensor:
         """The entry's bytes as a tensor, verified first."""
         if self.verify:
-            verify_entry(memoryview(self.data.numpy()), entry, chunk_size, self.where)
+            verify_entry(memoryview(self.bytes().numpy()), entry, chunk_size, self.where)
         return self._raw(entry)
 
     def copy_to(self, dst: torch.Tensor, entry: Entry, chunk_size: int) -> None:
@@ -213,9 +268,9 @@ class Source:
                    cs: int) -> None:  # fmt: skip
         """Queue the chunks of host targets that are plain bytes of the entries' sizes."""
         chunks = self._chunks
-        if chunks.add_small(dsts, entries, cs, self.data.numel(), self.verify):
+        if chunks.add_small(dsts, entries, cs, self.size, self.verify):
             return
-        size = self.data.numel()
+        size = self.size
         for dst, e in zip(dsts, entries, strict=True):
             n, at, sums = e.nbytes, e.offset, e.checksums
             if not n:
@@ -244,7 +299,11 @@ class Source:
         where the chunks are large; chunks smaller than ``_SHARED_MIN`` on average are done
         here in turn (two threads handing the GIL back and forth per small chunk cost more
         than they share)."""
-        data, base = memoryview(self.data.numpy()), self.data.data_ptr()
+        if self.data is None and self.scatter is not None:
+            self._received_into(chunks)
+            return
+        whole = self.bytes()
+        data, base = memoryview(whole.numpy()), whole.data_ptr()
         memmove = ctypes.memmove
         to, frm, size, want = chunks.to, chunks.frm, chunks.size, chunks.want
 
@@ -286,7 +345,8 @@ class Source:
         units = [(k, i) for k, (_, e, cs) in enumerate(items) for i in range(e.n_chunks(cs))]
         sizes = [min(items[k][2], items[k][1].nbytes - i * items[k][2]) for k, i in units]
         outs = [_bytes_of(dst) for dst, _, _ in items]
-        data, base = memoryview(self.data.numpy()), self.data.data_ptr()
+        whole = self.bytes()
+        data, base = memoryview(whole.numpy()), whole.data_ptr()
         stream = _upload_stream(rt, dev)
         stream.wait_stream(rt.current_stream(dev))  # after what the caller queued there
 
@@ -303,7 +363,7 @@ class Source:
                     q = min(p + _STAGE, hi)
                     at = entry.offset + p
                     if ring is None:  # uploaded straight from page-locked memory
-                        rt.copy(stream, out[p:q], self.data[at : at + q - p])
+                        rt.copy(stream, out[p:q], whole[at : at + q - p])
                         piece = data[at : at + q - p]
                     else:  # through a staging buffer, once its last upload has landed
                         buf = ring[turn % _RING]
@@ -332,10 +392,10 @@ class Source:
             raise chunk_mismatch(self.where, items[k][1], i, value, items[k][2])
 
     def _bounds(self, entry: Entry, chunk_size: int) -> None:
-        if entry.offset < 0 or entry.offset + entry.nbytes > self.data.numel():
+        if entry.offset < 0 or entry.offset + entry.nbytes > self.size:
             raise ManifestError(
                 f"{self.where}: {entry.path!r} claims bytes {entry.offset}-"
-                f"{entry.offset + entry.nbytes}, past the {self.data.numel()} bytes stored; "
+                f"{entry.offset + entry.nbytes}, past the {self.size} bytes stored; "
                 "the manifest is corrupt, restore from another tier or an older step"
             )
         n = entry.n_chunks(chunk_size)

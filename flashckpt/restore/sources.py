@@ -28,7 +28,7 @@ from ..errors import (
     SharedMemoryError,
     TierUnavailableError,
 )
-from ..format import tier_io
+from ..format import layout, tier_io
 from ..format.lineage import Lineage, newest
 from ..format.slot import Slot
 from ..snapshot.slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
@@ -184,6 +184,18 @@ def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     return asyncio.run(go())
 
 
+async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
+                          run_: int | None) -> tuple[Any, Any]:  # fmt: skip
+    """A rank's manifest, its data's size checked against it; (manifest, None): the data
+    itself is read when the restore asks for it. Entries another rank stores for this one
+    need the whole data read: then (manifest, data)."""
+    manifest = await tier_io.read_manifest(tier, job, step, rank, gen, run_)
+    await tier_io.check_data_size(tier, manifest)
+    if any(e.stored_at is not None for e in manifest.entries):
+        return await tier_io.read_rank(tier, job, step, rank, gen, run_)
+    return manifest, None
+
+
 class TierSource:
     """A tier's copies of this rank's steps. With ``together`` (a restore, where every rank
     asks at once), a tier every node shares is listed by rank 0 alone and the listing sent to
@@ -198,6 +210,8 @@ class TierSource:
         self.name = redact(url)  # in logs and errors: no credentials
         self.world = group.world_size()
         self.together = together and parse_spec(url).scope.value == "shared"
+        # A peer's memory is received straight into the state (see ``_source``).
+        self.streamed = parse_spec(url).scheme == "peer"
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
         self._incarnations: dict[Key, int] = {}  # step -> the run its commit markers name
         self.incarnation = 0  # the newest run of the job the last listing showed
@@ -262,6 +276,20 @@ class TierSource:
     def steps(self, lineage: Lineage | None = None, whole: bool = False) -> set[int]:
         return steps_of(self.snapshots(whole), lineage)
 
+    def _source(self, manifest: Any, data: Any, where: str) -> Source:
+        """The rank's bytes read already, or (a peer's memory) to be received straight into
+        the state's tensors as the restore asks for them."""
+        if data is not None:
+            return Source(data, where, self.verify)
+        url, dkey = self.url, layout.data_key(manifest.job, manifest.step, manifest.rank,
+                                              manifest.generation)  # fmt: skip
+        return Source(
+            None, where, self.verify, size=manifest.data_len,
+            fetch=lambda: run_with_tier(url, lambda t: tier_io.read_data(t, manifest)),
+            scatter=lambda pieces: run_with_tier(
+                url, lambda t: t.get_scatter(dkey, pieces, manifest.data_len)),
+        )  # fmt: skip
+
     async def _stand_in(self, tier, key: Key, world: int) -> bool:
         gen, step = key
         try:
@@ -283,6 +311,8 @@ class TierSource:
 
         def read(tier):
             opened.append(tier)
+            if self.streamed:  # the data is received into the state later, not read here
+                return _manifest_sized(tier, self.job, step, rank, gen, run_)
             return tier_io.read_rank(tier, self.job, step, rank, gen, run_)
 
         try:
@@ -291,7 +321,7 @@ class TierSource:
             if resharder is not None and resharder.wants:
                 run_with_tier(self.url,
                               lambda t: resharder.fetch(t, self.job, step, gen, world, run_))  # fmt: skip
-            run(producer, Source(data, where, self.verify))
+            run(producer, self._source(manifest, data, where))
         except (*CORRUPT_COPY, OSError) as exc:  # a bad copy (or the tier's I/O failed)
             log.warning("%s cannot be restored: %s", where, exc)
             return False
