@@ -254,4 +254,7 @@ def test_lost_nodes_are_split_by_whether_a_peers_replica_served_them():
     assert losses["storage"] == {"failures": 1, "recomputed_steps": 11}
     text = render(report)
     assert "restored step 12 from a peer's replica" in text
-    assert "lost nodes: 1 served by a peer's replica (1 step(s) recomputed), 1 from storage (11)" in text
+    assert (
+        "lost nodes: 1 served by a peer's replica (1 step(s) recomputed), 1 from storage (11)"
+        in text
+    )
