@@ -14,6 +14,7 @@ import grpc
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
 from flashckpt import config
+from flashckpt.errors import ConfigError
 from flashckpt.faults.agent_client import agent_pid_path, socket_path
 from flashckpt.pidfile import PidFileBusy, lock_pidfile, pid_alive
 from flashckpt.safe_paths import private_dir
@@ -82,7 +83,12 @@ async def serve(
     replicas = None
     if config.peer_replicas() > 0:  # a multi-node job: hold other nodes' newest steps
         replicas = ReplicaStore(job, shm_dir, run_dir, metrics)
-        await replicas.start()
+        try:
+            await replicas.start()
+        except (OSError, ConfigError) as exc:  # persistence goes on; peers find no store here
+            log.error("job %s: this node holds no other node's replica: its replica store "
+                      "cannot be served (%s); check FLASHCKPT_PEER_HOST", job, exc)  # fmt: skip
+            replicas = None
     link = asyncio.create_task(
         Link(j, run_dir, service.agent_id, replicas=replicas).run(stop), name="controller link"
     )

@@ -92,6 +92,7 @@ class ReplicaStore:
         )
         bound = self._server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"
+        self.held_now = await self.held()  # a restarted agent reports what it still holds
         log.info("job %s: holding other nodes' replicas in %s, served on %s%s", self.job,
                  self.root, self.address, " (TLS)" if contexts else "")  # fmt: skip
         return self.address

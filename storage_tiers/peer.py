@@ -90,7 +90,7 @@ async def _job_status(job: str, run_dir: Any) -> Any:
 
     from flashckpt.faults.control import Endpoint
 
-    endpoint = Endpoint.load(config.run_dir(run_dir), job)
+    endpoint = Endpoint.load(config.run_dir(run_dir, create=False), job)
     if endpoint is None:
         raise TierUnavailableError(
             f"peer replicas of job {job!r}: no controller is known on this node (no "
@@ -305,12 +305,13 @@ def _get_scatter(sock: socket.socket, peer: PeerNode, key: str,
     _send(sock, {"op": "get", "key": key, "start": 0, "end": size})
     got = _size(_reply(sock, f"peer {peer.name}"), peer)
     if got != size:
-        raise ValueError(f"peer {peer.name}: object {key!r} holds {got} bytes, expected {size}")
+        raise wire.WireError("bad", f"object {key!r} holds {got} bytes, the manifest says {size}")
     scratch = memoryview(bytearray(min(size, wire.PIECE) or 1))
     at = 0
     for offset, address, n in pieces:
         if offset < at or offset + n > size:
-            raise ValueError(f"{key}: a piece at {offset} of {n} bytes in {size}, after {at}")
+            raise wire.WireError("bad", f"{key}: a piece at {offset} of {n} bytes in {size}, "
+                                        f"after {at}")  # fmt: skip
         _skip(sock, scratch, offset - at)
         if n:
             _recv_into(sock, memoryview((ctypes.c_char * n).from_address(address)).cast("B"))

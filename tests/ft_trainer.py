@@ -4,11 +4,11 @@ Plain user code: ``init_process_group()`` with no watchdog and no store tricks, 
 of flashckpt. ``FT_FAULT``, ``FT_RANK``, ``FT_STEP``: right after saving that step, the first
 time only (a marker in ``FT_MARKS``), that rank
 - ``kill``: SIGKILLs itself; ``stop``: SIGSTOPs itself;
-- ``pause``: waits until the step is committed in every tier of ``FT_TIERS`` (or of
-  ``FT_WAIT_TIERS`` where set), writes ``FT_MARKS/paused`` and sleeps (the test then takes
-  its whole node away);
+- ``pause``: waits until the step is committed in every tier (``FT_TIERS`` and the peer
+  replica of a multi-node job; ``FT_WAIT_TIERS`` where set), writes ``FT_MARKS/paused`` and
+  sleeps (the test then takes its whole node away);
 - ``corrupt``: waits for the same commits, flips the last data byte of the step in its
-  shared-memory slot and in every tier, then SIGKILLs itself.
+  shared-memory slot, in every tier and in its peer's replica, then SIGKILLs itself.
 Gradients are averaged with one all-reduce per parameter, not DDP: DDP rebuilds its buckets
 after the first step, so a resumed run's first step sums four ranks' gradients in another
 order than an undisturbed run, and the weights would differ in the last bits. Each rank prints ``restored <rank> <step|None>``; rank 0 writes the final weights' sha256 to
@@ -75,7 +75,8 @@ def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
 
 
 def wait_tiers(tiers: list[str]) -> list[str]:
-    """The tiers a ``pause`` waits for: ``FT_WAIT_TIERS`` (comma-separated), else every one."""
+    """The tiers a ``pause`` waits for: ``FT_WAIT_TIERS`` (comma-separated), else every one
+    (a multi-node job's peer replica included)."""
     chosen = os.environ.get("FT_WAIT_TIERS")
     return [t for t in chosen.split(",") if t] if chosen is not None else tiers
 
@@ -111,10 +112,10 @@ def main() -> None:
         ckpt.save(step, state)
         kind = fault_now(rank, step)
         if kind in ("pause", "corrupt"):
-            for tier in wait_tiers(tiers):
+            for tier in wait_tiers(ckpt.tiers):
                 ckpt.wait(step, tier=tier, timeout=60)
         if kind == "corrupt":
-            corrupt(ckpt, tiers, step)
+            corrupt(ckpt, ckpt.tiers, step)  # a peer's replica of it too
         if kind in ("kill", "corrupt"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":

@@ -390,3 +390,22 @@ def test_the_sealers_cpu_time_is_counted(shm_dir):
         ck.save(0, {"w": torch.randn(4 << 20)})  # 16 MiB to checksum
         assert ck._sealer.drain(30)
     assert sealer.cpu_seconds() > before
+
+
+def test_a_slot_unmapped_while_queued_is_skipped_and_sealing_goes_on(shm_dir):
+    """A slot mapped anew (grown) or closed after its seal was queued holds nothing to seal
+    any more: the sealer skips it and seals what comes next."""
+    from flashckpt.snapshot.sealer import Sealer
+
+    with Checkpointer(job="sealer-skip") as ck:
+        ck.save(0, {"w": torch.randn(1000)})
+        assert ck._sealer.drain(30)
+        slot = next(s for s in ck._pair.slots if s is not None)
+        sealer = Sealer()
+        try:
+            closed = copy_plan.Slot.open_readonly(slot.path)
+            closed.close()
+            sealer.submit(closed, 1, None)  # unmapped before its turn
+            assert sealer.drain(10) and sealer._thread.is_alive()
+        finally:
+            sealer.close()

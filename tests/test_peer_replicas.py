@@ -30,6 +30,12 @@ __all__ = ["reference"]  # the two-node undisturbed run's digest, shared with te
 INPROCESS = ROOT / "tests" / "inprocess_trainer.py"
 
 
+def committed_by(root: Path, job: str, nodes: int) -> list[int]:
+    """The steps of ``job`` a directory tier holds every node's commit marker of."""
+    return [int(d.name.split("-")[1].split(".")[0]) for d in (root / job).glob("step-*")
+            if len(list(d.glob("commit-*.json"))) == nodes]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_under_in_process_recovery_a_lost_node_comes_back_from_a_peer(tmp_path, reference):
     pfs = f"pfs://{tmp_path / 'ip-pfs'}?every_steps=1000"
@@ -63,9 +69,11 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
     tmp_path, reference3
 ):
     """Three nodes, one replica each (node 0's on node 1, node 1's on node 2, node 2's on node
-    0), the shared tier every 5 steps. Nodes 1 and 2 are lost together after step 12: node 2's
-    ranks could read step 12 from node 0's memory, but node 1's replica was on node 2, so
-    its ranks can read step 10 at best, from storage; every rank resumes after step 10."""
+    0), the shared tier at most every 5 steps. Nodes 1 and 2 are lost together after step 12:
+    node 2's ranks could read step 12 from node 0's memory, but node 1's replica was on node
+    2, so its ranks can read only what storage committed for every rank by then (a slow tier
+    skips ahead, so which step that is depends on timing: it is read off the tier once both
+    nodes are stopped, when nothing can complete another step); every rank resumes after it."""
     pfs = tmp_path / "two-pfs"
     cluster = Cluster(tmp_path, "two", ({}, {}, {}), nodes=3, FT_TIERS=f"pfs://{pfs}?every_steps=5",
                       FT_FAULT="pause", FT_RANK="2", FT_STEP="12", FT_WAIT_TIERS=PEER,
@@ -76,12 +84,15 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
         for n in (1, 2):
             cluster.start(n)
         assert poll(lambda: (cluster.marks / "paused").exists(), 180), cluster.finish(1)
-        # Step 10 is in storage for every rank; node 2's step 12 is in node 0's memory.
-        assert poll(lambda: held_steps(pfs, cluster.job).get(10) == set(range(6)), 60)
+        # Node 2's step 12 is in node 0's memory (node 1's, waited for by the paused rank, is
+        # in node 2's).
         holder = Path(cluster.shm[0]) / f"{cluster.job}.replicas" / "node2"
         assert poll(lambda: any(holder.rglob("commit-node2.json")), 60)
         for n in (1, 2):
             cluster.signal_node(n, signal.SIGSTOP)
+        stored = committed_by(pfs, cluster.job, 3)
+        assert stored, held_steps(pfs, cluster.job)
+        newest = max(stored)
         assert poll(lambda: any(e["kind"] == "node_lost" for e in cluster.events(0)), 30)
         for n in (1, 2):
             cluster.lose(n)
@@ -97,6 +108,6 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
     for events in run.events:
         resumed.update(restores(events))
     assert sorted(resumed) == list(range(3 * PER_NODE)), explain(run)
-    assert {e["step"] for e in resumed.values()} == {10}, resumed
+    assert {e["step"] for e in resumed.values()} == {newest}, (newest, resumed)
     assert all(resumed[r]["source"].startswith("pfs") for r in (2, 3)), resumed
     assert run.digest == reference3

@@ -206,3 +206,22 @@ def test_a_restore_from_a_peer_checks_every_chunk(nodes, monkeypatch, shm_dir):
     shutil.rmtree(shm_dir, ignore_errors=True)
     with Checkpointer("peer://auto?keep_last=1", job="pr") as ck:
         assert ck.restore({"w": torch.zeros(1000), "b": torch.zeros(10)}) is None
+
+
+def test_an_agent_whose_replica_store_cannot_be_served_still_persists(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {
+        **os.environ,
+        "FLASHCKPT_PEER_REPLICAS": "1",
+        "FLASHCKPT_PEER_HOST": "203.0.113.1",
+        "FLASHCKPT_NODE": "node0",
+    }  # fmt: skip  (an address of no interface here)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", "pj", "--shm-dir",
+         str(tmp_path / "shm"), "--run-dir", str(run_dir), "--exit-when-idle", "0.5"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "holds no other node's replica" in log and "FLASHCKPT_PEER_HOST" in log, log

@@ -91,6 +91,16 @@ class _Loop(threading.Thread):
     def call(self, make: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(make(), self.loop).result(timeout)
 
+    def close_server(self, server: asyncio.base_events.Server) -> None:
+        """Close ``server`` on this loop (a Server is not to be touched from other threads)."""
+
+        async def shut() -> None:
+            server.close()
+
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                self.call(shut, timeout=5)
+
     def stop(self) -> None:
         """End every relay and stop the loop."""
 
@@ -181,7 +191,7 @@ class StoreGate:
         await _relay((reader, writer), store)
 
     def close(self) -> None:
-        self._server.close()
+        self._thread.close_server(self._server)
         self._thread.stop()
         self._store.close()
 
@@ -218,5 +228,5 @@ class StoreTunnel:
         await _relay((reader, writer), gate)
 
     def close(self) -> None:
-        self._server.close()
+        self._thread.close_server(self._server)
         self._thread.stop()

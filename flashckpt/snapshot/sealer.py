@@ -102,7 +102,11 @@ class Sealer:
                 return
             slot, seq, manifest = item
             with self._busy_lock:
-                if slot is self._blocked or slot.seq() != seq:  # overwritten meanwhile
+                try:
+                    stale = slot is self._blocked or slot.seq() != seq  # overwritten meanwhile
+                except ValueError:  # unmapped meanwhile (closed, or mapped anew larger)
+                    stale = True
+                if stale:
                     continue
                 self._busy = slot
                 self._cancel.clear()
