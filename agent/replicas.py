@@ -91,7 +91,7 @@ class ReplicaStore:
             self._serve, host, port, ssl=contexts[0] if contexts else None, limit=wire.PIECE
         )
         bound = self._server.sockets[0].getsockname()
-        self.address = f"{host}:{bound[1]}"
+        self.address = f"[{host}]:{bound[1]}" if ":" in host else f"{host}:{bound[1]}"
         self.held_now = await self.held()  # a restarted agent reports what it still holds
         log.info("job %s: holding other nodes' replicas in %s, served on %s%s", self.job,
                  self.root, self.address, " (TLS)" if contexts else "")  # fmt: skip

@@ -158,10 +158,12 @@ class PeerTier(Tier):
     # ---- the exchange ----------------------------------------------------------------------
     @contextlib.contextmanager
     def _connect(self, peer: PeerNode, job: str, token: str) -> Iterator[socket.socket]:
-        host, _, port = peer.address.rpartition(":")
+        from flashckpt.faults.control import split_address
+
         try:
-            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
-        except (OSError, ValueError) as exc:
+            host, port = split_address(peer.address, f"peer {peer.name}'s address")
+            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        except (OSError, ConfigError) as exc:
             raise TierUnavailableError(
                 f"peer {peer.name} at {peer.address} cannot be reached: {exc}"
             ) from None

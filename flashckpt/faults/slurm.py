@@ -1,0 +1,148 @@
+"""What a Slurm allocation tells ``flashckpt-run``: ``python -m flashckpt.faults.slurm env``.
+
+Under ``srun`` every node's task sees the allocation in ``SLURM_*`` variables. A launch line
+needs four things from them, printed as shell ``export`` lines for ``eval``:
+
+- ``FLASHCKPT_RDZV_HOST``: the first node of ``SLURM_JOB_NODELIST``, where the rendezvous,
+  the controller and the in-process recovery store are served. Slurm gives the list
+  compressed (``gpu[001-004,010],login-b7``): ``scontrol show hostnames`` expands it where
+  Slurm's commands are installed, else it is expanded here;
+- ``FLASHCKPT_NNODES``: ``SLURM_JOB_NUM_NODES`` (or ``SLURM_NNODES``);
+- ``FLASHCKPT_JOB``: ``FLASHCKPT_JOB`` if set, else ``SLURM_JOB_NAME`` made a valid job name.
+  Not the job id: a job requeued (``sbatch --requeue``, or after a node failure) keeps its
+  name, and its snapshots are found by the name;
+- ``FLASHCKPT_NODE``: ``SLURMD_NODENAME``, the node's name in the allocation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from .. import config
+from ..errors import ConfigError
+
+MAX_HOSTS = 1 << 20
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def expand(nodelist: str) -> list[str]:
+    """The host names of a compressed Slurm node list, in order: ``a[01-03,7]b,c`` is
+    a01b, a02b, a03b, a7b, c; several bracket groups in one name multiply out. Zero padding
+    follows the range's first number. ConfigError naming the list on anything else."""
+    hosts: list[str] = []
+    for name in _split_top(nodelist):
+        hosts += _expand_one(name, nodelist)
+        if len(hosts) > MAX_HOSTS:
+            raise ConfigError(f"SLURM_JOB_NODELIST {nodelist!r} names more than {MAX_HOSTS} hosts")
+    if not hosts:
+        raise ConfigError(f"SLURM_JOB_NODELIST {nodelist!r} names no host")
+    return hosts
+
+
+def _split_top(nodelist: str) -> list[str]:
+    """``nodelist`` cut at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ConfigError(f"SLURM_JOB_NODELIST {nodelist!r}: nested brackets")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ConfigError(f"SLURM_JOB_NODELIST {nodelist!r}: a ']' without its '['")
+        elif ch == "," and depth == 0:
+            parts.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"SLURM_JOB_NODELIST {nodelist!r}: a '[' without its ']'")
+    parts.append(nodelist[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_one(name: str, whole: str) -> list[str]:
+    at = name.find("[")
+    if at < 0:
+        return [name]
+    end = name.index("]", at)
+    head, body, tail = name[:at], name[at + 1 : end], name[end + 1 :]
+    out = []
+    for piece in body.split(","):
+        m = _RANGE.fullmatch(piece.strip())
+        if m is None:
+            raise ConfigError(f"SLURM_JOB_NODELIST {whole!r}: {piece!r} is not N or N-M")
+        lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
+        lo, hi, width = int(lo_text), int(hi_text), len(lo_text)
+        if hi < lo or hi - lo >= MAX_HOSTS:
+            raise ConfigError(f"SLURM_JOB_NODELIST {whole!r}: the range {piece!r} is empty "
+                              "or too long")  # fmt: skip
+        out += [f"{head}{n:0{width}d}" for n in range(lo, hi + 1)]
+    return [h + rest for h in out for rest in _expand_one(tail, whole)]
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of ``nodelist``: ``scontrol show hostnames`` where it is installed
+    (Slurm's own reading), else ``expand``."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout.split()  # fmt: skip
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # not usable here: the list is expanded the same way below
+    return expand(nodelist)[0]
+
+
+def job_name(env: Mapping[str, str]) -> str:
+    """``FLASHCKPT_JOB``, else ``SLURM_JOB_NAME`` with what a job name cannot hold made
+    ``-`` (Slurm allows spaces and slashes)."""
+    if env.get("FLASHCKPT_JOB"):
+        return config.validate_name("job", env["FLASHCKPT_JOB"], "FLASHCKPT_JOB")
+    raw = env.get("SLURM_JOB_NAME", "")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", raw).lstrip("._-")[:128]
+    if not name:
+        raise ConfigError(
+            f"SLURM_JOB_NAME {raw!r} gives no job name: name the job (sbatch --job-name=...) "
+            "or set FLASHCKPT_JOB"
+        )
+    return name
+
+
+def settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables a node's launch line takes from the allocation (see the module doc)."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError("no SLURM_JOB_NODELIST: run this under srun, inside an allocation")
+    nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or str(len(expand(nodelist)))
+    out = {"FLASHCKPT_RDZV_HOST": first_host(nodelist), "FLASHCKPT_NNODES": nnodes,
+           "FLASHCKPT_JOB": job_name(env)}  # fmt: skip
+    if env.get("SLURMD_NODENAME"):
+        out["FLASHCKPT_NODE"] = env["SLURMD_NODENAME"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["env"]:
+        sys.stderr.write("usage: python -m flashckpt.faults.slurm env\n")
+        return 2
+    try:
+        found = settings(os.environ)
+    except ConfigError as exc:
+        sys.stderr.write(f"flashckpt slurm: {exc}\n")
+        return 1
+    for key, value in found.items():
+        sys.stdout.write(f"export {key}={shlex.quote(value)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
