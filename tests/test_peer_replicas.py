@@ -71,9 +71,10 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
     """Three nodes, one replica each (node 0's on node 1, node 1's on node 2, node 2's on node
     0), the shared tier at most every 5 steps. Nodes 1 and 2 are lost together after step 12:
     node 2's ranks could read step 12 from node 0's memory, but node 1's replica was on node
-    2, so its ranks can read only what storage committed for every rank by then (a slow tier
-    skips ahead, so which step that is depends on timing: it is read off the tier once both
-    nodes are stopped, when nothing can complete another step); every rank resumes after it."""
+    2, so its ranks can read only what storage committed for every rank (a slow tier skips
+    ahead, and node 0's agent may still complete a step after the others are stopped, so
+    which step that is depends on timing: at least the newest complete when they stopped);
+    every rank resumes after the same step, node 1's ranks from storage."""
     pfs = tmp_path / "two-pfs"
     cluster = Cluster(tmp_path, "two", ({}, {}, {}), nodes=3, FT_TIERS=f"pfs://{pfs}?every_steps=5",
                       FT_FAULT="pause", FT_RANK="2", FT_STEP="12", FT_WAIT_TIERS=PEER,
@@ -92,7 +93,7 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
             cluster.signal_node(n, signal.SIGSTOP)
         stored = committed_by(pfs, cluster.job, 3)
         assert stored, held_steps(pfs, cluster.job)
-        newest = max(stored)
+        floor = max(stored)  # complete steps only grow: the restore takes this one or newer
         assert poll(lambda: any(e["kind"] == "node_lost" for e in cluster.events(0)), 30)
         for n in (1, 2):
             cluster.lose(n)
@@ -108,6 +109,7 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
     for events in run.events:
         resumed.update(restores(events))
     assert sorted(resumed) == list(range(3 * PER_NODE)), explain(run)
-    assert {e["step"] for e in resumed.values()} == {newest}, (newest, resumed)
+    (step,) = {e["step"] for e in resumed.values()}  # one step for every rank
+    assert floor <= step <= 12, (floor, resumed)
     assert all(resumed[r]["source"].startswith("pfs") for r in (2, 3)), resumed
     assert run.digest == reference3
