@@ -159,6 +159,8 @@ class TierWorker:
         spec = tier.spec  # options were checked when the URL was parsed
         self.every_steps = option(spec, "every_steps", 0, int)
         self.every_seconds = option(spec, "every_seconds", 0.0, float)
+        # At most this share of the time spent storing (0 or 1: no pause between rounds).
+        self.duty = option(spec, "duty", 0.0, float)
         self.keep_last = option(spec, "keep_last", 0, int) or None
         self.keep_every = option(spec, "keep_every", 0, int) or None
         # ranks of one step stored at once (each upload is itself parallel for S3)
@@ -356,10 +358,10 @@ class TierWorker:
         same_branch = last[0] == step[0] and last[1] >= 0
         if self.every_steps and same_branch and step[1] - last[1] < self.every_steps:
             return True
-        return (
-            bool(self.every_seconds)
-            and time.monotonic() - self._last_persist_time < self.every_seconds
-        )
+        since = time.monotonic() - self._last_persist_time
+        if 0 < self.duty < 1 and since < self.state.last_persist_seconds * (1 / self.duty - 1):
+            return True  # the last round's cost, paid back in idle time before the next
+        return bool(self.every_seconds) and since < self.every_seconds
 
     def _primary(self, manifest: Manifest, here: set[int]) -> int | None:
         """The rank that stores the replicated entries of ``manifest``'s replica group in this

@@ -263,9 +263,14 @@ def peer_replicas(explicit: int | None = None) -> int:
     return setting_int("peer_replicas", explicit, 0, lo=0, hi=16)
 
 
+PEER_DUTY = 0.25
+"""The share of the time an agent spends sending a replica at most: a round of t seconds is
+followed by 3t of rest, so replicas take a quarter of a core, never the trainers' share."""
+
+
 def peer_urls(k: int) -> list[str]:
     """The ``peer://`` tiers of ``k`` replicas: each keeps one step, the newest complete."""
-    return [f"peer://auto?hop={h}&keep_last=1" for h in range(1, k + 1)]
+    return [f"peer://auto?hop={h}&keep_last=1&duty={PEER_DUTY}" for h in range(1, k + 1)]
 
 
 def local_world_size() -> int:

@@ -96,11 +96,13 @@ _REGISTRY: dict[str, TierEntry] = {
 }
 
 # Options every tier takes: the agent's policy for it (retention, throttle, rank fan-out), each
-# a number >= 0 (0 or absent: off, or the default). temp_grace_s: how old another node's
+# a number >= 0 (0 or absent: off, or the default). duty: the share of the time the agent may
+# spend storing into the tier (after a round of t seconds it waits t x (1/duty - 1)). temp_grace_s: how old another node's
 # temporaries must be before they count as a crashed upload's (absent: TEMP_GRACE_S).
 # outage_retry_s: how long at most a failing tier waits before it is tried again (absent: 10).
 POLICY_OPTIONS: dict[str, Callable[[str], float]] = {
     "keep_last": int, "keep_every": int, "every_steps": int, "every_seconds": float,
+    "duty": float,
     "rank_concurrency": int, "retire_abandoned": int, "temp_grace_s": float,
     "outage_retry_s": float,
 }  # fmt: skip
@@ -310,6 +312,9 @@ def _check_options(spec: TierSpec, entry: TierEntry) -> None:
     for name, convert in POLICY_OPTIONS.items():
         if option(spec, name, 0, convert) < 0:
             raise ConfigError(f"tier {spec.url}: option {name}={spec.options[name]!r} must be >= 0")
+    if option(spec, "duty", 0.0, float) > 1:
+        raise ConfigError(f"tier {spec.url}: duty={spec.options['duty']!r} is a share of the "
+                          "time: give a number in (0, 1]")  # fmt: skip
     if spec.scope is Scope.SHARED and option(spec, "temp_grace_s", 1.0, float) <= 0:
         raise ConfigError(
             f"tier {spec.url}: temp_grace_s=0 on a shared tier would remove the uploads other "

@@ -482,3 +482,25 @@ def test_a_failed_round_stops_every_upload_before_the_trainers_get_their_slots_b
     finally:
         for ck in trainers:
             ck.close()
+
+
+def test_a_duty_share_rests_the_tier_in_proportion_to_its_last_round(tmp_path):
+    """``duty=0.25`` (what peer replicas take): after a round of t seconds the tier rests 3t,
+    so storing takes at most a quarter of the agent's time, whatever the state's size; a
+    closing trainer's last step goes out at once all the same."""
+    from flashckpt.agent.persist import TierWorker
+    from flashckpt.storage_tiers import open_tier
+
+    from flashckpt.errors import ConfigError
+
+    worker = TierWorker("duty", open_tier(f"file://{tmp_path / 't'}?duty=0.25"), tmp_path, "n")
+    worker.state.last_persist_seconds = 0.2
+    worker._last_persist_time = time.monotonic()
+    assert worker._throttled((0, 5))  # 0.6 s of rest owed
+    worker._last_persist_time -= 0.7
+    assert not worker._throttled((0, 5))
+    worker._last_persist_time = time.monotonic()
+    worker.trainers.final_step = (0, 5)
+    assert not worker._throttled((0, 5))
+    with pytest.raises(ConfigError, match="share of the time"):
+        open_tier(f"file://{tmp_path / 't'}?duty=2")
