@@ -42,6 +42,7 @@ from flashckpt.safe_paths import private_dir
 log = logging.getLogger(__name__)
 
 RESERVE = 0.10  # of shared memory's size, kept free after any replica is taken
+HELLO_TIMEOUT_S = 10.0  # a connection must name its job and token within this
 _COMMIT_NAME = re.compile(r"commit-[A-Za-z0-9._-]+\.json")
 
 
@@ -132,8 +133,12 @@ class ReplicaStore:
 
     async def _hello(self, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> str | None:  # fmt: skip
-        head = await reader.readexactly(4)
-        hello = wire.decode(await reader.readexactly(wire.decode_length(head)))
+        try:  # a connection that says nothing is not kept open
+            head = await asyncio.wait_for(reader.readexactly(4), HELLO_TIMEOUT_S)
+            hello = wire.decode(await asyncio.wait_for(
+                reader.readexactly(wire.decode_length(head)), HELLO_TIMEOUT_S))  # fmt: skip
+        except asyncio.TimeoutError:
+            return None
         endpoint = Endpoint.load(self.run_dir, self.job)
         token, node = hello.get("token"), hello.get("node")
         ok = (

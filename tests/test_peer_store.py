@@ -225,3 +225,13 @@ def test_an_agent_whose_replica_store_cannot_be_served_still_persists(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "holds no other node's replica" in log and "FLASHCKPT_PEER_HOST" in log, log
+
+
+def test_a_connection_that_never_says_hello_is_closed(nodes, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(replicas_module, "HELLO_TIMEOUT_S", 0.3)
+    cluster = nodes(["node0"])
+    host, port = cluster.stores["node0"].address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as silent:
+        assert silent.recv(1) == b""  # hung up on, without a word
