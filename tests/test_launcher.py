@@ -230,6 +230,17 @@ def lose_a_node(cluster: Cluster, node: int, **wait: str) -> float:
     return detected
 
 
+def back_from_a_peer(run: Run, reference: str) -> None:
+    """Every rank resumed at 12, node 0's from their own memory and node 1's from node 0's,
+    and the job ended bit-identical to ``reference``."""
+    kept, fresh = restores(run.events[0]), restores(run.events[1])
+    assert len(kept) == len(fresh) == PER_NODE, explain(run)
+    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
+    assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
+    assert all(e["source"].startswith("peer node0 ") for e in fresh.values()), fresh
+    assert run.digest == reference
+
+
 @pytest.mark.slow
 def test_a_lost_node_comes_back_from_a_peers_memory_at_the_newest_step(tmp_path, reference):
     """Two nodes under the README's multi-node settings (each node's newest step in the other
@@ -250,12 +261,7 @@ def test_a_lost_node_comes_back_from_a_peers_memory_at_the_newest_step(tmp_path,
     assert detected <= 3 + 2, detected
     lost = next(e for e in run.events[0] if e["kind"] == "node_lost")
     assert lost["action"] == "kill" and len(lost["ordered"].get("node0", [])) == 2, lost
-    kept, fresh = restores(run.events[0]), restores(run.events[1])
-    assert len(kept) == len(fresh) == PER_NODE, explain(run)
-    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
-    assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
-    assert all(e["source"].startswith("peer node0 ") for e in fresh.values()), fresh
-    assert run.digest == reference
+    back_from_a_peer(run, reference)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from test_launcher import (
     PEER,
     PER_NODE,
     Cluster,
+    back_from_a_peer,
     explain,
     held_steps,
     lose_a_node,
@@ -49,12 +50,7 @@ def test_under_in_process_recovery_a_lost_node_comes_back_from_a_peer(tmp_path, 
         raise
     run = cluster.finish()
     assert run.codes == [0, 0], explain(run)
-    kept, fresh = restores(run.events[0]), restores(run.events[1])
-    assert len(kept) == len(fresh) == PER_NODE, explain(run)
-    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
-    assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
-    assert all(e["source"].startswith("peer node0 ") for e in fresh.values()), fresh
-    assert run.digest == reference
+    back_from_a_peer(run, reference)
 
 
 @pytest.fixture(scope="module")

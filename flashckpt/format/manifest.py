@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 from ..errors import ManifestError
+from .kept import Kept
 from .lineage import Lineage
 
 FORMAT_VERSION = 3
@@ -92,7 +91,9 @@ class Entry:
         """A copy with ``changes``: ``dataclasses.replace`` without its per-field setattr
         calls (a manifest of thousands of entries makes thousands of these per restore)."""
         new = object.__new__(Entry)
-        new.__dict__.update(self.__dict__, **changes)
+        fields_ = self.__dict__.copy()
+        fields_.update(changes)
+        object.__setattr__(new, "__dict__", fields_)
         return new
 
     def chunk_ranges(self, chunk_size: int) -> list[tuple[int, int]]:
@@ -101,15 +102,6 @@ class Entry:
             (self.offset + i, self.offset + min(i + chunk_size, self.nbytes))
             for i in range(0, self.nbytes, chunk_size)
         ]
-
-
-def _with_checksums(entry: Entry, checksums: tuple[int, ...]) -> Entry:
-    """``entry.but(checksums=...)`` at a third of its cost (thousands per restore)."""
-    new = object.__new__(Entry)
-    fields_ = entry.__dict__.copy()
-    fields_["checksums"] = checksums
-    object.__setattr__(new, "__dict__", fields_)
-    return new
 
 
 @dataclass(frozen=True)
@@ -162,10 +154,10 @@ class Manifest:
         mine = self.entries
         if len(flat) == len(mine) and all(0 < e.nbytes <= cs for e in mine):
             # One chunk each (the usual state of many small tensors): in entry order.
-            entries = tuple(map(_with_checksums, mine, zip(flat)))
+            entries = tuple(e.but(checksums=(c,)) for e, c in zip(mine, flat, strict=True))
         else:
             entries = tuple(
-                _with_checksums(e, tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
+                e.but(checksums=tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
                 for e in mine
             )
         out = replace(self, entries=entries)
@@ -229,12 +221,10 @@ def encode_entries(entries: tuple[Entry, ...]) -> str:
 # Entries checked before, by their JSON and what their checks depend on: the manifests of
 # one layout's saves differ in their step, time and tree's scalars, never in their entries,
 # and at thousands of entries checking them is most of a parse.
-_ENTRIES: OrderedDict[tuple, tuple[Entry, ...]] = OrderedDict()
-_ENTRIES_MAX = 2
-_entries_lock = threading.Lock()
+_ENTRIES: Kept[tuple[Entry, ...]] = Kept(2)
 _ENTRIES_KEY = b',"entries":'
 _TREE_KEY = b',"tree":'
-_TREES: OrderedDict[tuple[bytes, int], tuple[Entry, ...]] = OrderedDict()  # trees checked
+_TREES: Kept[tuple[Entry, ...]] = Kept(2)  # trees checked, with the entries they name
 
 
 class _NotLast(Exception):
@@ -291,35 +281,24 @@ def _checked_tree(checker: _Checker, tree: Any, entries: tuple[Entry, ...], raw:
     did not move write the same tree, and at thousands of tensors its check costs more than
     copying them. What passed is kept; a failure is never kept."""
     key = (raw, id(entries))
-    with _entries_lock:
-        held = _TREES.get(key)
-        if held is entries:
-            _TREES.move_to_end(key)
-            return
+    if _TREES.get(key) is entries:
+        return
     checker.tree(tree, entries)
-    with _entries_lock:
-        _TREES[key] = entries  # held: its id stays its own while the key lives
-        while len(_TREES) > _ENTRIES_MAX:
-            _TREES.popitem(last=False)
+    _TREES.put(key, entries)  # held: its id stays its own while the key lives
 
 
 def _checked_entries(checker: _Checker, raw: bytes, data_len: int, chunk_size: int,
                      require_checksums: bool) -> tuple[Entry, ...]:  # fmt: skip
     key = (raw, data_len, chunk_size, require_checksums)
-    with _entries_lock:
-        found = _ENTRIES.get(key)
-        if found is not None:
-            _ENTRIES.move_to_end(key)
-            return found
+    found = _ENTRIES.get(key)
+    if found is not None:
+        return found
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
         raise _NotLast from None
     entries = checker.entries(doc, data_len, chunk_size, require_checksums)
-    with _entries_lock:
-        _ENTRIES[key] = entries
-        while len(_ENTRIES) > _ENTRIES_MAX:
-            _ENTRIES.popitem(last=False)
+    _ENTRIES.put(key, entries)
     return entries
 
 

@@ -275,6 +275,11 @@ async def read_rank(
     manifest says, is a ManifestError naming the object. ``incarnation``: the run the step's
     commit markers name (see ``read_manifest``)."""
     manifest = await read_manifest(tier, job, step, rank, generation, incarnation)
+    return await data_of(tier, manifest)
+
+
+async def data_of(tier, manifest: Manifest) -> tuple[Manifest, torch.Tensor]:
+    """``read_rank`` for a manifest read already."""
     data = await read_data(tier, manifest)
     if any(e.stored_at is not None for e in manifest.entries):
         return await _with_replicas(tier, manifest, data)

@@ -190,9 +190,9 @@ async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
     itself is read when the restore asks for it. Entries another rank stores for this one
     need the whole data read: then (manifest, data)."""
     manifest = await tier_io.read_manifest(tier, job, step, rank, gen, run_)
-    await tier_io.check_data_size(tier, manifest)
     if any(e.stored_at is not None for e in manifest.entries):
-        return await tier_io.read_rank(tier, job, step, rank, gen, run_)
+        return await tier_io.data_of(tier, manifest)
+    await tier_io.check_data_size(tier, manifest)
     return manifest, None
 
 

@@ -11,9 +11,7 @@ import fcntl
 import logging
 import os
 import re
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ from ..errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryE
 # Against the layers, by design: a rank's files in shared memory are freed together, and the
 # heartbeat page and stack dump among them are named where they are written (faults/).
 from ..faults.heartbeat import heartbeat_path, stacks_path
+from ..format.kept import Kept
 from ..format.manifest import Manifest
 from ..format.slot import Slot, SlotHeader, SlotState, shm_space_error
 from ..pidfile import PidFileBusy, lock_pidfile
@@ -122,9 +121,7 @@ class Snapshot:
         return self.slot.seq() == self.header.seq
 
 
-_PARSED: OrderedDict[tuple[bytes, tuple[int, ...] | None], Manifest] = OrderedDict()
-_PARSED_MAX = 4
-_parsed_lock = threading.Lock()
+_PARSED: Kept[Manifest] = Kept(4)  # by (manifest bytes, checksums)
 
 
 def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader) -> Manifest:
@@ -134,10 +131,7 @@ def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader)
     parse to the same manifest, so what was checked stands (a failure is never kept); the
     header is checked against it on every read."""
     key = (raw, sums)
-    with _parsed_lock:
-        manifest = _PARSED.get(key)
-        if manifest is not None:
-            _PARSED.move_to_end(key)
+    manifest = _PARSED.get(key)
     fresh = manifest is None
     if fresh:
         manifest = Manifest.from_json(raw, source=f"{slot.path}")
@@ -151,10 +145,7 @@ def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader)
     if fresh:
         if sums is not None:
             manifest = manifest.with_checksums(sums)
-        with _parsed_lock:
-            _PARSED[key] = manifest
-            while len(_PARSED) > _PARSED_MAX:
-                _PARSED.popitem(last=False)
+        _PARSED.put(key, manifest)
     return manifest
 
 
