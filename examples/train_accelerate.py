@@ -120,6 +120,7 @@ def main() -> None:
         digest.update(p.detach().numpy().tobytes())
     accelerator.print(f"loss {loss.item():.5f}")
     accelerator.print(f"digest {digest.hexdigest()}")
+    accelerator.end_training()  # ends the process group, as destroy_process_group() does
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ def main() -> None:
     result["draw"] = torch.rand(1).item()  # the generator went on as in the saving run
     flash.close()
     Path(f"{out}.{accelerator.process_index}").write_text(json.dumps(result))
+    accelerator.end_training()  # ends the process group: gloo's threads outlive it otherwise
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ def main() -> None:
         result["params"] = full
         with open(out, "w") as f:
             json.dump(result, f)
+    # Gloo's threads may still hold tensors at exit: a process that ends without this can
+    # abort ("terminate called without an active exception"), which torchrun reports as failed.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
