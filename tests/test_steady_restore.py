@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_device import installed
-from test_many_tensors import assert_same, many, values
+from test_many_tensors import Counted, assert_same, many, values
 
 from flashckpt import Checkpointer
 from flashckpt.errors import ChecksumError, ManifestError
+from flashckpt.format import sealed
 from flashckpt.format.manifest import Entry
 from flashckpt.format.slot import HEADER_SIZE
 from flashckpt.restore import entry_copy, into_state, steady_load
@@ -152,6 +153,58 @@ def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, 
         assert ck.restore(target) == 1
     assert spy.taken == 2  # both tried on the steady path: the corrupt one, then the older
     assert_same(values(target) + [target["big"]], older)
+
+
+def test_a_new_steps_sealed_entries_are_read_without_copying_one_per_entry(shm_dir, monkeypatch):
+    """Each step's manifest holds its layout's entries (parsed once, shared) and a flat list
+    of chunk checksums: the steady restore of a step never read before makes no entry copy,
+    and the entries read as a sequence carry the checksums the sealer wrote."""
+    spy = Spy(monkeypatch)
+    made = Counted(sealed.SealedEntries.whole)
+    monkeypatch.setattr(sealed.SealedEntries, "whole", lambda self: made(self))
+    state, target = many(800), many(800, seed=5)
+    with Checkpointer(job="steady-sealed") as ck:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p in state["model"]:
+                    p.add_(1.0)
+            ck.save(step, state)
+            ck._sealer.drain()
+            assert ck.restore(target) == step
+            assert_same(values(target), values(state))
+        assert spy.taken == 3 and made.calls == 0
+        for slot in ck._pair.ready():
+            with read_locked(slot) as snap:
+                if snap is not None and snap.step == 3:
+                    entries, sums = snap.manifest.entries, slot.checksums(snap.header)
+        assert isinstance(entries, sealed.SealedEntries) and snap.manifest.sealed
+        assert made.calls == 0
+        assert [c for e in entries for c in e.checksums] == list(sums)  # made on first use
+        assert made.calls >= 1 and entries[0] == entries.bare[0].but(checksums=(sums[0],))
+
+
+def test_a_corrupt_small_entry_is_named_with_the_checksum_recorded(shm_dir, monkeypatch, caplog):
+    """A flipped byte in one of many one-chunk entries: the steady restore refuses that
+    step, saying which entry and what the seal recorded, and restores the older one."""
+    state = many(400)
+    with Checkpointer(job="steady-small-corrupt") as ck:
+        ck.save(1, state)
+        older = values(state)
+        with torch.no_grad():
+            for p in state["model"]:
+                p.add_(1.0)
+        ck.save(2, state)
+        ck._sealer.drain()
+        path = "model/50"
+        with read_locked(next(iter(ck._pair.ready()))) as snap:
+            assert any(e.path == path for e in sealed.bare_entries(snap.manifest.entries))
+        _flip(ck, 2, path, 3)
+        target = many(400, seed=4)
+        with caplog.at_level("WARNING"):
+            assert ck.restore(target) == 1
+    assert_same(values(target), older)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "chunk 0 of 'model/50'" in said and "the manifest recorded" in said
 
 
 def test_a_mismatch_names_the_entry_and_the_chunk():

@@ -39,12 +39,17 @@ def chunk_checksums(
     return out
 
 
-def chunk_mismatch(where: str, entry: Entry, i: int, got: int, chunk_size: int) -> ChecksumError:
-    """The error for chunk ``i`` of ``entry`` reading as ``got``."""
+def chunk_mismatch(where: str, entry: Entry, i: int, got: int, chunk_size: int,
+                   expected: int | None = None) -> ChecksumError:  # fmt: skip
+    """The error for chunk ``i`` of ``entry`` reading as ``got`` (``expected``: where the
+    entry does not hold its checksums)."""
     start, end = entry.chunk_ranges(chunk_size)[i]
+    if expected is None:
+        assert entry.checksums is not None
+        expected = entry.checksums[i]
     return ChecksumError(
         f"{where}: chunk {i} of {entry.path!r} (bytes {start}-{end}) has crc32c {got:08x}, "
-        f"the manifest recorded {entry.checksums[i]:08x}; the copy is corrupt, restore "
+        f"the manifest recorded {expected:08x}; the copy is corrupt, restore "
         "from another tier or an older step"
     )
 

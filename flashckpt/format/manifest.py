@@ -19,6 +19,7 @@ import torch
 from ..errors import ManifestError
 from .kept import Kept
 from .lineage import Lineage
+from .sealed import SealedEntries, bare_entries
 
 FORMAT_VERSION = 3
 """Version 2 added replicated entries (``replicated``, ``stored_at``, ``replicas``), version 3
@@ -131,7 +132,7 @@ class Manifest:
 
     @functools.cached_property
     def n_chunks(self) -> int:
-        return sum(e.n_chunks(self.chunk_size) for e in self.entries)
+        return _chunk_count(bare_entries(self.entries), self.chunk_size)
 
     @functools.cached_property
     def tree_json(self) -> str:
@@ -144,23 +145,16 @@ class Manifest:
 
     @property
     def sealed(self) -> bool:
+        if isinstance(self.entries, SealedEntries):
+            return True  # a checksum for every chunk (``with_checksums`` counted them)
         return all(e.checksums is not None for e in self.entries if e.nbytes)
 
     def with_checksums(self, flat: tuple[int, ...] | list[int]) -> Manifest:
         """Attach a flat per-chunk checksum list (in entry order) to the entries."""
         if len(flat) != self.n_chunks:
             raise ManifestError(f"{len(flat)} checksums for {self.n_chunks} chunks")
-        cs = self.chunk_size
-        mine = self.entries
-        if len(flat) == len(mine) and all(0 < e.nbytes <= cs for e in mine):
-            # One chunk each (the usual state of many small tensors): in entry order.
-            entries = tuple(e.but(checksums=(c,)) for e, c in zip(mine, flat, strict=True))
-        else:
-            entries = tuple(
-                e.but(checksums=tuple(flat[e.first_chunk : e.first_chunk - (-e.nbytes // cs)]))
-                for e in mine
-            )
-        out = replace(self, entries=entries)
+        bare = tuple(bare_entries(self.entries))
+        out = replace(self, entries=SealedEntries(bare, tuple(flat), self.chunk_size))
         for same in ("tree_json", "n_chunks"):  # the same tree and chunks: not made again
             if same in self.__dict__:
                 out.__dict__[same] = self.__dict__[same]
@@ -225,6 +219,10 @@ _ENTRIES: Kept[tuple[Entry, ...]] = Kept(2)
 _ENTRIES_KEY = b',"entries":'
 _TREE_KEY = b',"tree":'
 _TREES: Kept[tuple[Entry, ...]] = Kept(2)  # trees checked, with the entries they name
+# Trees decoded, by their JSON: the saves of a state whose scalars did not move write the
+# same tree, and decoding one of thousands of tensors makes thousands of objects. A manifest's
+# tree is read, never changed, so manifests of the same tree text share it.
+_TREE_DOCS: Kept[Any] = Kept(2)
 
 
 class _NotLast(Exception):
@@ -263,9 +261,13 @@ def _split_tree(head: bytes) -> tuple[dict, bytes] | None:
     at = head.find(_TREE_KEY)
     if at <= 1:
         return None
+    tree_raw = head[at + len(_TREE_KEY) :]
     try:
         doc = json.loads(head[:at] + b"}")
-        tree = json.loads(head[at + len(_TREE_KEY) :])
+        tree = _TREE_DOCS.get(tree_raw)
+        if tree is None:
+            tree = json.loads(tree_raw)
+            _TREE_DOCS.put(tree_raw, tree)
     except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or "tree" in doc or "entries" in doc:
@@ -273,7 +275,7 @@ def _split_tree(head: bytes) -> tuple[dict, bytes] | None:
     if not _REQUIRED - {"entries", "tree"} <= doc.keys():
         return None
     doc["tree"] = tree
-    return doc, head[at + len(_TREE_KEY) :]
+    return doc, tree_raw
 
 
 def _checked_tree(checker: _Checker, tree: Any, entries: tuple[Entry, ...], raw: bytes) -> None:
@@ -285,6 +287,22 @@ def _checked_tree(checker: _Checker, tree: Any, entries: tuple[Entry, ...], raw:
         return
     checker.tree(tree, entries)
     _TREES.put(key, entries)  # held: its id stays its own while the key lives
+
+
+_COUNTS: Kept[tuple[Any, int]] = Kept(2)  # chunks of the entries last counted, held
+
+
+def _chunk_count(entries: Any, chunk_size: int) -> int:
+    """The chunks of ``entries``, counted once per entries tuple (each save of a layout and
+    each manifest parsed from its JSON share its tuple)."""
+    key = (id(entries), chunk_size)
+    held = _COUNTS.get(key)
+    if held is not None and held[0] is entries:
+        return held[1]
+    n = sum(e.n_chunks(chunk_size) for e in entries)
+    if isinstance(entries, tuple):  # never changes: its id stays its own while held
+        _COUNTS.put(key, (entries, n))
+    return n
 
 
 def _checked_entries(checker: _Checker, raw: bytes, data_len: int, chunk_size: int,

@@ -43,6 +43,7 @@ import torch
 from ..errors import ManifestError
 from ..format.checksum import chunk_mismatch, crc, verify_entry
 from ..format.manifest import Entry, dtype_from_name
+from ..format.sealed import bare_entries, one_per_entry
 from ..snapshot import device
 from ..snapshot.flatten import copy_into
 
@@ -114,7 +115,9 @@ class _HostChunks:
     one-chunk entries are queued in a few C-level passes, and copied without a tuple each)."""
 
     def __init__(self) -> None:
-        self.owner: list[tuple[Entry, int, int]] = []  # (entry, chunk size, chunk index)
+        self.entry: list[Entry] = []  # whose chunk: entry, chunk size, index in the entry
+        self.cs: list[int] = []
+        self.index: list[int] = []
         self.to: list[int] = []  # target address
         self.frm: list[int] = []  # offset in the source's data
         self.size: list[int] = []
@@ -125,7 +128,9 @@ class _HostChunks:
         self.targets.append(dst)
         ptr = dst.data_ptr()
         for i, lo in enumerate(range(0, e.nbytes, cs)):
-            self.owner.append((e, cs, i))
+            self.entry.append(e)
+            self.cs.append(cs)
+            self.index.append(i)
             self.to.append(ptr + lo)
             self.frm.append(e.offset + lo)
             self.size.append(min(cs, e.nbytes - lo))
@@ -135,24 +140,35 @@ class _HostChunks:
                   cs: int, data_len: int, verify: bool) -> bool:  # fmt: skip
         """``add`` in C-level passes for the usual case: every entry one chunk, within
         ``data_len``, with its checksum (or unverified); False (nothing added) otherwise."""
-        ns, ats = list(map(_NBYTES, entries)), list(map(_OFFSET, entries))
+        bare = bare_entries(entries)
+        ns, ats = list(map(_NBYTES, bare)), list(map(_OFFSET, bare))
         if not ns or min(ns) <= 0 or max(ns) > cs or min(ats) < 0:
             return False
         if max(map(operator.add, ats, ns)) > data_len:
             return False
         if verify:
-            sums = list(map(_CHECKSUMS, entries))
-            if None in sums or set(map(len, sums)) != {1}:
-                return False
-            self.want.extend(map(_FIRST, sums))
+            flat = one_per_entry(entries)  # every entry is one chunk: they are its own
+            if flat is not None:
+                self.want.extend(flat)
+            else:
+                sums = list(map(_CHECKSUMS, entries))
+                if None in sums or set(map(len, sums)) != {1}:
+                    return False
+                self.want.extend(map(_FIRST, sums))
         else:
             self.want.extend(itertools.repeat(None, len(ns)))
-        self.owner.extend(zip(entries, itertools.repeat(cs), itertools.repeat(0)))
+        self.entry.extend(bare)
+        self.cs.extend(itertools.repeat(cs, len(ns)))
+        self.index.extend(itertools.repeat(0, len(ns)))
         self.targets.extend(dsts)
         self.to.extend(map(torch.Tensor.data_ptr, dsts))
         self.frm.extend(ats)
         self.size.extend(ns)
         return True
+
+    def mismatch(self, where: str, j: int, found: int) -> Exception:
+        """The error for chunk ``j`` reading as ``found``."""
+        return chunk_mismatch(where, self.entry[j], self.index[j], found, self.cs[j], self.want[j])
 
 
 Scatter = Callable[[list[tuple[int, int, int]]], None]
@@ -218,8 +234,7 @@ class Source:
                  if (r := f.result()) is not None]  # fmt: skip
         if found:
             j, _, value = found[0]
-            entry, cs, i = chunks.owner[j]
-            raise chunk_mismatch(self.where, entry, i, value, cs)
+            raise chunks.mismatch(self.where, j, value)
 
     def _raw(self, entry: Entry) -> torch.Tensor:
         raw = self.bytes()[entry.offset : entry.offset + entry.nbytes]
@@ -336,8 +351,7 @@ class Source:
             found = [r for f in futures if (r := f.result()) is not None]
         if found:
             j, _, value = found[0]
-            entry, cs, i = chunks.owner[j]
-            raise chunk_mismatch(self.where, entry, i, value, cs)
+            raise chunks.mismatch(self.where, j, value)
 
     def _copy(self, items: list[Queued], rt: device.DeviceRuntime, dev: Hashable) -> None:
         """One pass over every chunk of ``items`` uploaded to ``dev``, spread over the restore

@@ -20,6 +20,7 @@ import operator
 import torch
 
 from ..format.manifest import Manifest
+from ..format.sealed import bare_entries
 from ..snapshot import device
 from ..snapshot.flatten import Layout
 from ..snapshot.steady import Walked
@@ -29,6 +30,7 @@ from .into_state import Producer, finish_stateful
 _IS_CPU = operator.attrgetter("is_cpu")
 _KEY = operator.attrgetter("path", "kind", "dtype", "shape", "shard", "replicated", "stored_at")
 _last: tuple = (None, None, [], False)  # the last layout compared: its runtime, keys, host
+_matched: tuple = (None, None)  # keys and entries found equal last (held: ids stay theirs)
 
 
 def _keys(layout: Layout, tensors: list[torch.Tensor]) -> tuple[list, bool]:
@@ -49,10 +51,16 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     holds exactly what the snapshot holds but for tensor values; None otherwise."""
     if walked is None or walked.statefuls is None:
         return None
+    global _matched
     entries = manifest.entries
+    bare = bare_entries(entries)  # a step's entries are its layout's: parsed once, kept
     keys, host = _keys(walked.layout, walked.tensors)
-    if len(entries) != len(walked.tensors) or list(map(_KEY, entries)) != keys:
+    if len(bare) != len(walked.tensors):
         return None
+    if _matched[0] is not keys or _matched[1] is not bare:
+        if list(map(_KEY, bare)) != keys:
+            return None
+        _matched = (keys, bare)
     if not walked.tree_json or manifest.tree_json != walked.tree_json:
         return None
     tensors, statefuls, cs = walked.tensors, walked.statefuls, manifest.chunk_size
