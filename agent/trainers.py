@@ -61,7 +61,9 @@ class Trainers:
         if not self.pids:
             live = {r for r in with_slots if owned(r)}
             return live or set(with_slots)
-        if len(self.pids) < self.local_world_size and not self.closing:
+        if len(self.pids) < self.local_world_size:
+            # Even for a closing trainer's last step: stored without the ranks still to
+            # register, it would count as stored and theirs would never go out.
             return None
         return {r for r, pid in self.pids.items() if r in with_slots or pid_alive(pid)}
 

@@ -194,6 +194,31 @@ def test_ranks_saving_faster_than_the_tier_writes_still_get_steps_committed(
     assert bool((out["t"] == 1).all())
 
 
+def test_a_rank_closing_before_the_others_registered_waits_for_their_copies(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    """Rank 1 saves and closes before rank 0 has even registered (a slow start): the step
+    is stored once rank 0's copy is there, with both ranks, not with rank 1 alone (after
+    which rank 0's copy would count as stored and never go out)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    url = f"file://{tmp_path / 'nvme'}"
+    ck1 = Checkpointer(url, job="slow-start", rank=1, close_timeout=60)
+    ck1.save(1, {"t": torch.full((1000,), 11)})
+    first = threading.Thread(target=ck1.close)
+    first.start()
+    time.sleep(1.5)  # several agent rounds: rank 1 is closing, rank 0 not registered
+    assert first.is_alive() and committed(url, "slow-start") == []
+    with Checkpointer(url, job="slow-start", rank=0, close_timeout=60) as ck0:
+        ck0.save(1, {"t": torch.full((1000,), 10)})
+    first.join(timeout=60)
+    assert not first.is_alive() and committed(url, "slow-start") == [1]
+    for r in range(2):
+        out = {"t": torch.zeros(1000, dtype=torch.int64)}
+        assert TierSource(url, "slow-start", r, verify=True).load(out, (0, 1), allow_pickle=False)
+        assert bool((out["t"] == 10 + r).all())
+
+
 def test_a_rank_closing_first_does_not_get_its_last_step_stored_without_the_others(
     shm_dir, run_dir, tmp_path, monkeypatch
 ):
