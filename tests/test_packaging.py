@@ -23,8 +23,9 @@ import flashckpt
 from flashckpt import Checkpointer, RNG, load, run_recoverable
 for name in flashckpt.__all__:
     getattr(flashckpt, name)
-import flashckpt.accelerate, flashckpt.deepspeed, flashckpt.cli, flashckpt.agent.cli
+import flashckpt.accelerate, flashckpt.deepspeed, flashckpt.megatron, flashckpt.cli, flashckpt.agent.cli
 assert callable(flashckpt.accelerate.attach) and callable(flashckpt.deepspeed.attach)
+assert callable(flashckpt.megatron.state)
 for module in ("flashckpt.faults.launcher", "flashckpt.faults.standby", "flashckpt.cli"):
     assert importlib.util.find_spec(module), module
 scripts = {e.name: e.value for e in md.entry_points(group="console_scripts")

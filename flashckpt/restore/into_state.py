@@ -19,7 +19,7 @@ import torch
 from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from ..snapshot import device
-from ..snapshot.flatten import copy_into, is_dtensor, is_stateful, join, tensor_source
+from ..snapshot.flatten import Sharded, copy_into, is_dtensor, is_stateful, join, tensor_source
 from ..snapshot.steady import Walked
 from . import optim_state
 from .entry_copy import Source
@@ -128,7 +128,7 @@ class Planner:
         tag = node.get("t") if isinstance(node, dict) else None
         if tag == "stateful" or is_stateful(target):
             return self._stateful(node, target, path, lenient)
-        if tag == "tensor" and isinstance(target, torch.Tensor):
+        if tag == "tensor" and (isinstance(target, torch.Tensor) or type(target) is Sharded):
             return self._tensor(self.entry(node), target, path)
         if tag == "ndarray" and isinstance(target, np.ndarray):
             return self._ndarray(self.entry(node), target, path, lenient)
@@ -151,6 +151,9 @@ class Planner:
                 )
             )
             return lambda src: target
+        ready = getattr(target, "before_restore", None)
+        if callable(ready):  # a door's Stateful readies what is filled (an optimizer's state)
+            self.created.extend(ready())
         indices = _state_indices(node["v"])
         fresh = optim_state.needs_state(target, indices, device.runtime().is_device_tensor)
         if fresh and optim_state.create_state(target, indices):
@@ -171,7 +174,10 @@ class Planner:
 
     def _tensor(self, e: Entry, target: torch.Tensor, path: str) -> Producer:
         local, shard = tensor_source(target, path)
-        dst = target.to_local() if is_dtensor(target) else target
+        if type(target) is Sharded:
+            dst = target.local
+        else:
+            dst = target.to_local() if is_dtensor(target) else target
         if shard is not None and e.shard is not None and shard != e.shard:
             return self._resharded(e, target, dst, shard, path)
         before = len(self.mismatches)

@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..format import layout, tier_io
 from ..format.lineage import Lineage, newest
+from ..format.sealed import bare_entries
 from ..format.slot import Slot
 from ..snapshot.slots import N_SLOTS, SlotPair, header_or_none, read_locked, slot_path
 from .entry_copy import Source
@@ -59,9 +60,14 @@ def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
     return {s for g, s in held if lineage.holds(g, s)}
 
 
+def has_shards(m: Any) -> bool:
+    """Whether ``m`` holds shards (DTensor or Megatron blocks) a restore may reshard."""
+    return any(e.shard for e in bare_entries(m.entries))
+
+
 def _resharded(m: Any, world: int) -> bool:
-    """Whether ``m`` holds DTensor shards saved at another world size than ``world``."""
-    return m.world_size not in (None, world) and any(e.shard for e in m.entries)
+    """Whether ``m`` holds shards saved at another world size than ``world``."""
+    return m.world_size not in (None, world) and has_shards(m)
 
 
 class MemorySource:
@@ -103,15 +109,22 @@ class MemorySource:
     def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool, **opts: Any) -> bool:
         """Load snapshot ``key`` into ``state``; False if no intact copy. ``opts`` go to
         ``plan`` (``unmatched``, ``key_map``)."""
-        world = group.world_size()
         for slot in self.pair.ready():
             try:
                 with read_locked(slot) as snap:
                     if snap is None or (snap.generation, snap.step) != key:
                         continue
-                    resharder = Resharder() if _resharded(snap.manifest, world) else None
+                    # Blocks laid out otherwise (another world size, or another parallel
+                    # layout at the same size) are assembled from every old rank's snapshot.
+                    resharder = Resharder() if has_shards(snap.manifest) else None
                     producer = plan(snap.manifest, state, allow_pickle, resharder, **opts)
-                    if resharder is not None and not self._reshard(resharder, snap):
+                    if (
+                        resharder is not None
+                        and resharder.wants
+                        and not self._reshard(resharder, snap)
+                    ):
+                        log.info("step %d: this node lacks some old ranks' shards to reshard "
+                                 "from; they are read from a tier", snap.step)  # fmt: skip
                         continue
                     where = f"shared memory {slot.path}"
                     data = slot.data_tensor(snap.header)
@@ -305,7 +318,7 @@ class TierSource:
         gen, step = key
         rank, world = self._saved_by.get(key, (self.rank, self.world))
         where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
-        resharder = Resharder() if world != self.world else None
+        resharder = Resharder()  # used where blocks are laid out otherwise than saved
         run_ = self._incarnations.get(key)
         opened = []
 
@@ -318,11 +331,12 @@ class TierSource:
         try:
             manifest, data = run_with_tier(self.url, read)
             producer = plan(manifest, state, allow_pickle, resharder, **opts)
-            if resharder is not None and resharder.wants:
+            if resharder.wants:
                 run_with_tier(self.url,
                               lambda t: resharder.fetch(t, self.job, step, gen, world, run_))  # fmt: skip
             run(producer, self._source(manifest, data, where))
-        except (*CORRUPT_COPY, OSError) as exc:  # a bad copy (or the tier's I/O failed)
+        except (*CORRUPT_COPY, OSError, CheckpointNotFoundError) as exc:  # a bad copy, the
+            # tier's I/O failed, or it lacks an old rank's shards to reshard from
             log.warning("%s cannot be restored: %s", where, exc)
             return False
         self.name = opened[0].describe() or self.name  # a peer's memory: which node served it

@@ -58,6 +58,22 @@ class Leaf:
     replicated: bool = False  # the same bytes on every rank of the job's replica group
 
 
+@dataclass(frozen=True, slots=True)
+class Sharded:
+    """A block of a global tensor that this rank holds where no DTensor says so (a
+    Megatron-Core ``ShardedTensor``): ``local`` is what is copied, ``shard`` where it sits.
+    Saved and restored as a DTensor's local shard is: in place, or assembled from the old
+    shards when the block is another one (resharding)."""
+
+    local: torch.Tensor
+    shard: ShardInfo
+
+
+def is_shard_leaf(value: object) -> bool:
+    """A DTensor or a ``Sharded``: a tensor leaf whose shard info is recorded."""
+    return type(value) is Sharded or is_dtensor(value)
+
+
 def join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
@@ -80,10 +96,12 @@ def _shard_info_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Shar
     )
 
 
-def tensor_source(t: torch.Tensor, path: str) -> tuple[torch.Tensor, ShardInfo | None]:
+def tensor_source(t: Any, path: str) -> tuple[torch.Tensor, ShardInfo | None]:
     """The plain tensor whose bytes represent ``t`` on this rank, and its shard info."""
     shard = None
-    if is_dtensor(t):
+    if type(t) is Sharded:
+        shard, t = t.shard, t.local
+    elif is_dtensor(t):
         shard = _shard_info(t)
         t = t.to_local()
     if t.layout != torch.strided:
@@ -136,7 +154,7 @@ class Flattener:
         container = isinstance(value, (Mapping, list, tuple)) or is_stateful(value)
         if container and depth >= MAX_TREE_DEPTH:  # a restore would refuse it: fail now
             _too_deep(path)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or cls is Sharded:
             source, shard = tensor_source(value, path)
             return self._leaf("tensor", path, source, shard)
         if isinstance(value, np.ndarray) and value.dtype.hasobject is False:

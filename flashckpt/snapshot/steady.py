@@ -35,7 +35,7 @@ from .flatten import (
     Layout,
     Leaf,
     flatten,
-    is_dtensor,
+    is_shard_leaf,
     is_stateful,
     plan_layout,
 )
@@ -54,7 +54,7 @@ class Unfit(Exception):
 
 # ---- the program: nested tuples, one per node of the tree ------------------------------
 # ("T",)                        a plain tensor
-# ("D", path)                   a DTensor (its local shard is what is copied)
+# ("D", path)                   a DTensor or Sharded (its local block is what is copied)
 # ("S",)                        a scalar
 # ("I", n)                      a list of n ints (an optimizer's parameter ids): one scalar
 # ("TD", cls, keys, key_types)  a mapping whose values are all plain tensors
@@ -82,7 +82,7 @@ def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, ...
         if type(value) in _PLAIN:
             tensors.append(value)
             return ("T",)
-        if is_dtensor(value):
+        if is_shard_leaf(value):
             local, shard = _tensor_source(value, path)
             tensors.append(local)
             shards.append(shard)
@@ -166,7 +166,7 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list,
         _run(op[1], sd, tensors, scalars, shards, statefuls)
         statefuls.append((value, sd, op[2]))
     else:  # "D"
-        if not is_dtensor(value):
+        if not is_shard_leaf(value):
             raise Unfit
         local, shard = _tensor_source(value, op[1])
         tensors.append(local)

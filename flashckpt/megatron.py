@@ -1,0 +1,257 @@
+"""Megatron-Core through the flash path: ``state(model, optimizer)`` as one Stateful.
+
+    state = flashckpt.megatron.state(model, optimizer)
+    ckpt.restore({"megatron": state})            # at start: the freshest consistent step
+    ckpt.save(step, {"megatron": state})         # every step: returns once in shared memory
+
+Megatron-Core describes what each rank holds with ``sharded_state_dict()``: every tensor is a
+``ShardedTensor``, a block of a global tensor (its key, global shape and offset, and which
+replica it is). The Stateful here turns that description into flashckpt's own: each block is
+a tensor leaf with its shard recorded (``Sharded``: global shape and offset, as a DTensor's
+shard is), named by its global key (and its layer, for the axes Megatron prepends to stack
+layers), so the same tensor has the same name on every rank and at every parallel layout.
+A restore into the same layout fills every block in place; into another tensor- or
+data-parallel size, each rank's new blocks are assembled from the old ranks' blocks that
+overlap them, read from a tier that holds every rank (``restore/reshard.py``).
+
+The optimizer is a ``torch.optim`` optimizer over the model's parameters (what Megatron's
+``FP32Optimizer`` wraps): its per-parameter state gets the sharding of its parameter, as
+Megatron's ``optim_state_to_sharding_state`` gives it; step counts and hyper-parameters are
+stored as they are. A fresh optimizer gets its state created before a restore fills it.
+
+Every rank stores every block it holds, replicas included (``replica_id`` other than 0): a
+rank restores from its own node's memory without reading another's, and a restore at
+another layout uses one copy of each block. Not supported (a clear error): blocks that are
+slices of a flattened tensor (``flattened_range``, Megatron's ``DistributedOptimizer``), and
+restoring at another pipeline-parallel size (a rank's keys then come from other ranks'
+snapshots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .errors import FlashCkptError
+from .format.manifest import ShardInfo
+from .restore import optim_state
+from .snapshot.flatten import Sharded
+
+try:
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+    )
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "flashckpt.megatron needs Megatron-Core: pip install 'flashckpt[megatron]'"
+    ) from exc
+
+PLACEMENT = ("megatron",)  # a ShardInfo's placements: a Megatron block, not a DTensor's
+
+
+def state(model: Any, optimizer: torch.optim.Optimizer | None = None) -> MegatronState:
+    """The Stateful to save and restore: ``model`` (a Megatron-Core module, or the list of
+    a virtual pipeline's model chunks) and its ``optimizer``."""
+    return MegatronState(model, optimizer)
+
+
+def block_name(st: Any) -> str:
+    """The name of a ShardedTensor's (or ShardedObject's) block, the same on every rank and
+    layout: its global key, and its index on each prepended (layer-stacking) axis."""
+    n = getattr(st, "prepend_axis_num", 0)
+    if not n:
+        return st.key
+    return f"{st.key}@{'.'.join(map(str, st.global_offset[:n]))}"
+
+
+def to_leaf(st: ShardedTensor) -> Sharded:
+    """The tensor leaf of a ShardedTensor: its data, and where it sits in the global tensor
+    less the prepended axes (one block a layer)."""
+    if st.flattened_range is not None:
+        raise FlashCkptError(
+            f"{st.key}: a block that is a slice of a flattened tensor (flattened_range, as "
+            "Megatron's DistributedOptimizer makes) is not supported by flashckpt.megatron; "
+            "use a torch.optim optimizer over the model's parameters"
+        )
+    n = st.prepend_axis_num
+    data = st.data
+    if data is None or tuple(data.shape) != tuple(st.local_shape):
+        raise FlashCkptError(
+            f"{st.key}: the block holds {None if data is None else tuple(data.shape)}, its "
+            f"ShardedTensor says {tuple(st.local_shape)}"
+        )
+    info = ShardInfo(
+        global_shape=tuple(st.global_shape[n:]),
+        global_offset=tuple(st.global_offset[n:]),
+        placements=PLACEMENT,
+        mesh_shape=tuple(st.axis_fragmentations[n:]) if st.axis_fragmentations else (),
+    )
+    return Sharded(data, info)
+
+
+def _blocks(sharded: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """(name, value) of every block of a sharded state dict, in its order; values of
+    anything else that Megatron keeps (plain values) under their path."""
+    if isinstance(sharded, Mapping):
+        for k, v in sharded.items():
+            yield from _blocks(v, f"{where}/{k}" if where else str(k))
+    elif isinstance(sharded, list):
+        for i, v in enumerate(sharded):
+            yield from _blocks(v, f"{where}/{i}")
+    elif isinstance(sharded, ShardedTensor):
+        yield block_name(sharded), sharded
+    elif isinstance(sharded, ShardedObject):
+        yield f"{sharded.unique_key}", sharded
+    elif isinstance(sharded, LocalNonpersistentObject):
+        return  # this rank's own, never stored (Megatron keeps it out of checkpoints too)
+    else:
+        yield where, sharded
+
+
+class MegatronState:
+    """A Megatron-Core model and optimizer as one Stateful (see the module docstring)."""
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None = None):
+        self.chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise FlashCkptError(
+                f"flashckpt.megatron takes a torch.optim optimizer over the model's parameters, "
+                f"not {type(optimizer).__name__}; pass the optimizer it wraps (.optimizer)"
+            )
+        self.optimizer = optimizer
+
+    # ---- the model ----------------------------------------------------------------------
+    def _model_sharded(self) -> dict:
+        """Each chunk's sharded state dict with its factories applied (as Megatron-LM makes
+        them: ``model0``, ``model1``... for the chunks of a virtual pipeline)."""
+        if len(self.chunks) == 1:
+            sharded = {"model": self.chunks[0].sharded_state_dict()}
+        else:
+            from megatron.core import parallel_state
+
+            sharded = {}
+            for i, chunk in enumerate(self.chunks):
+                parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+                sharded[f"model{i}"] = chunk.sharded_state_dict()
+        apply_factories(sharded)
+        return sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        sharded = self._model_sharded()
+        out: dict[str, Any] = {"model": self._leaves(sharded, "model")}
+        if self.optimizer is not None:
+            out["optimizer"] = self._optimizer_dict(sharded)
+        return out
+
+    def _leaves(self, sharded: Any, where: str) -> dict[str, Any]:
+        leaves: dict[str, Any] = {}
+        for name, value in _blocks(sharded, ""):
+            if name in leaves:
+                raise FlashCkptError(
+                    f"{where}: two blocks on this rank are named {name!r}; flashckpt.megatron "
+                    "names a block by its key and layer, which must be unique on a rank"
+                )
+            if isinstance(value, ShardedTensor):
+                leaves[name] = to_leaf(value)
+            elif isinstance(value, ShardedObject):
+                leaves[name] = value.data
+            elif isinstance(value, ShardedTensorFactory):  # pragma: no cover - applied above
+                raise FlashCkptError(f"{name}: a ShardedTensorFactory left unapplied")
+            else:
+                leaves[name] = value
+        return leaves
+
+    # ---- the optimizer ------------------------------------------------------------------
+    def _optimizer_dict(self, model_sharded: dict) -> dict[str, Any]:
+        opt = self.optimizer
+        assert opt is not None
+        sd = opt.state_dict()
+        sd["state"] = {i: dict(st) for i, st in sd["state"].items()}  # its dicts are the live ones
+        params = optim_state.params_in_order(opt)
+        ids = get_param_id_to_sharded_param_map(model_sharded, params)
+        steps = {i: st.pop("step") for i, st in sd["state"].items() if "step" in st}
+        optim_state_to_sharding_state(sd, ids)
+        state: dict[str, Any] = {}
+        step: dict[str, Any] = {}
+        for i, per_key in sd["state"].items():
+            for sharded in per_key.values():
+                state[block_name(sharded)] = to_leaf(sharded)
+            if i in steps:
+                step[block_name(ids[i])] = steps[i]
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"params": len(g["params"].obj)}
+            for g in sd["param_groups"]
+        ]
+        return {"state": state, "step": step, "param_groups": groups}
+
+    def before_restore(self) -> list[torch.optim.Optimizer]:
+        """Give a fresh optimizer its state (a step at learning rate 0 on zero gradients,
+        which changes no parameter) for the restore to fill in place, resharded where it
+        must be; the optimizers given state (cleared again if the restore is refused)."""
+        opt = self.optimizer
+        if opt is None or opt.state:
+            return []
+        n = len(optim_state.params_in_order(opt))
+        return [opt] if optim_state.create_state(opt, range(n)) else []
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Put back what a restore does not fill in place: the model's objects (extra
+        states), and the optimizer's step counts and hyper-parameters."""
+        sharded = self._model_sharded()
+        objects = {}
+        for name, value in _blocks(sharded, ""):
+            if isinstance(value, ShardedObject) and name in sd.get("model", {}):
+                objects[name] = sd["model"][name]
+        if objects:
+            self._load_objects(sharded, objects)
+        if self.optimizer is not None and "optimizer" in sd:
+            self._load_optimizer(sharded, sd["optimizer"])
+
+    def _load_objects(self, sharded: dict, objects: dict[str, Any]) -> None:
+        """Each chunk's ``load_state_dict`` with the restored objects under their local keys
+        (the key each has in the chunk's state dict)."""
+        for i, chunk in enumerate(self.chunks):
+            part = sharded["model" if len(self.chunks) == 1 else f"model{i}"]
+            local = {
+                k: objects[v.unique_key]
+                for k, v in part.items()
+                if isinstance(v, ShardedObject) and v.unique_key in objects
+            }
+            if local:
+                chunk.load_state_dict(local, strict=False)
+
+    def _load_optimizer(self, model_sharded: dict, saved: Mapping[str, Any]) -> None:
+        opt = self.optimizer
+        assert opt is not None
+        params = optim_state.params_in_order(opt)
+        ids = get_param_id_to_sharded_param_map(model_sharded, params)
+        steps = saved.get("step", {})
+        for i, sharded in ids.items():
+            name = block_name(sharded)
+            if name in steps and "step" in opt.state.get(params[i], {}):
+                held = opt.state[params[i]]["step"]
+                value = steps[name]
+                if isinstance(held, torch.Tensor):
+                    held.copy_(torch.as_tensor(value, dtype=held.dtype))
+                else:
+                    opt.state[params[i]]["step"] = value
+        groups = saved.get("param_groups", [])
+        if len(groups) != len(opt.param_groups):
+            raise FlashCkptError(
+                f"the snapshot's optimizer has {len(groups)} parameter groups, this one "
+                f"{len(opt.param_groups)}; build the optimizer as the saving run did"
+            )
+        for group, kept in zip(opt.param_groups, groups, strict=True):
+            for k, v in kept.items():
+                if k != "params":
+                    group[k] = v
