@@ -66,12 +66,29 @@ def state(model: Any, optimizer: torch.optim.Optimizer | None = None) -> Megatro
 
 
 def block_name(st: Any) -> str:
-    """The name of a ShardedTensor's (or ShardedObject's) block, the same on every rank and
-    layout: its global key, and its index on each prepended (layer-stacking) axis."""
+    """The name of a ShardedTensor's block, the same on every rank and layout: its global
+    key, and where there are prepended (layer-stacking) axes, its index on each and their
+    sizes (``decoder.layers.mlp.linear_fc1.weight@1/2``: layer 1 of 2)."""
     n = getattr(st, "prepend_axis_num", 0)
     if not n:
         return st.key
-    return f"{st.key}@{'.'.join(map(str, st.global_offset[:n]))}"
+    at, of = st.global_offset[:n], st.global_shape[:n]
+    return f"{st.key}@{'.'.join(map(str, at))}/{'.'.join(map(str, of))}"
+
+
+def parse_block_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(key, index on each prepended axis, their sizes) of a ``block_name``."""
+    key, sep, rest = name.rpartition("@")
+    if not sep or "/" not in rest:
+        return name, (), ()
+    at, _, of = rest.partition("/")
+    try:
+        index, sizes = tuple(map(int, at.split("."))), tuple(map(int, of.split(".")))
+    except ValueError:
+        return name, (), ()
+    if len(index) != len(sizes) or not all(0 <= i < n for i, n in zip(index, sizes, strict=True)):
+        return name, (), ()
+    return key, index, sizes
 
 
 def to_leaf(st: ShardedTensor) -> Sharded:
@@ -118,6 +135,28 @@ def _blocks(sharded: Any, where: str) -> Iterator[tuple[str, Any]]:
         yield where, sharded
 
 
+def leaves(sharded: Any, where: str) -> dict[str, Any]:
+    """A sharded state dict as flashckpt's state: every block a ``Sharded`` leaf under its
+    ``block_name``, every object and plain value under its name; ``where`` names it in
+    errors."""
+    out: dict[str, Any] = {}
+    for name, value in _blocks(sharded, ""):
+        if name in out:
+            raise FlashCkptError(
+                f"{where}: two blocks on this rank are named {name!r}; flashckpt.megatron "
+                "names a block by its key and layer, which must be unique on a rank"
+            )
+        if isinstance(value, ShardedTensor):
+            out[name] = to_leaf(value)
+        elif isinstance(value, ShardedObject):
+            out[name] = value.data
+        elif isinstance(value, ShardedTensorFactory):  # pragma: no cover - applied before
+            raise FlashCkptError(f"{name}: a ShardedTensorFactory left unapplied")
+        else:
+            out[name] = value
+    return out
+
+
 class MegatronState:
     """A Megatron-Core model and optimizer as one Stateful (see the module docstring)."""
 
@@ -148,28 +187,10 @@ class MegatronState:
 
     def state_dict(self) -> dict[str, Any]:
         sharded = self._model_sharded()
-        out: dict[str, Any] = {"model": self._leaves(sharded, "model")}
+        out: dict[str, Any] = {"model": leaves(sharded, "model")}
         if self.optimizer is not None:
             out["optimizer"] = self._optimizer_dict(sharded)
         return out
-
-    def _leaves(self, sharded: Any, where: str) -> dict[str, Any]:
-        leaves: dict[str, Any] = {}
-        for name, value in _blocks(sharded, ""):
-            if name in leaves:
-                raise FlashCkptError(
-                    f"{where}: two blocks on this rank are named {name!r}; flashckpt.megatron "
-                    "names a block by its key and layer, which must be unique on a rank"
-                )
-            if isinstance(value, ShardedTensor):
-                leaves[name] = to_leaf(value)
-            elif isinstance(value, ShardedObject):
-                leaves[name] = value.data
-            elif isinstance(value, ShardedTensorFactory):  # pragma: no cover - applied above
-                raise FlashCkptError(f"{name}: a ShardedTensorFactory left unapplied")
-            else:
-                leaves[name] = value
-        return leaves
 
     # ---- the optimizer ------------------------------------------------------------------
     def _optimizer_dict(self, model_sharded: dict) -> dict[str, Any]:

@@ -69,12 +69,44 @@ def blocks(state: flash_mcore.MegatronState) -> dict:
     return out
 
 
+def dist_checkpointing_phase(phase: str, model: GPTModel, opt, out: str) -> None:
+    """``dcsave``/``dcload``: the model through Megatron's own ``dist_checkpointing.save``
+    and ``load`` with the flashckpt backend, into MEGATRON_DIR/iter_0000007."""
+    from megatron.core import dist_checkpointing
+
+    import flashckpt.megatron_dist
+
+    flashckpt.megatron_dist.register()
+    where = os.path.join(os.environ["MEGATRON_DIR"], "iter_0000007")
+    result: dict = {}
+    if phase == "dcsave":
+        step_by_hand(model, opt)
+        os.makedirs(where, exist_ok=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 7}, where,
+                                sharded_strategy=("flashckpt", 1))  # fmt: skip
+    else:
+        try:
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, where)
+            model.load_state_dict(loaded["model"])
+            result["iteration"] = loaded["iteration"]
+        except Exception as exc:  # the test reads what a user would see
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    flashckpt.megatron_dist.close()
+    result["blocks"] = blocks(flash_mcore.state(model))
+    torch.save(result, f"{out}.{dist.get_rank()}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     phase, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model, opt = build(0 if phase in ("save", "dcsave") else 1)
+    if phase.startswith("dc"):
+        dist_checkpointing_phase(phase, model, opt, out)
+        return
     ckpt = Checkpointer(f"file://{os.environ['MEGATRON_TIER']}")
-    model, opt = build(0 if phase == "save" else 1)
     state = flash_mcore.state(model, opt)
     result: dict = {}
     if phase == "save":

@@ -4,6 +4,7 @@ assembled from the restored blocks equal to those assembled from the saved ones.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -75,6 +76,36 @@ def test_a_restore_at_another_tensor_parallel_size_assembles_the_same_tensors(
     assert all(r["step"] == 1 and r["steps"] == {1} and r["lr"] == 1e-2 for r in loaded)
 
 
+@pytest.mark.slow
+def test_dist_checkpointing_save_and_load_go_through_the_flashckpt_backend(env, tmp_path):
+    """Megatron's own ``dist_checkpointing.save(..., sharded_strategy=("flashckpt", 1))`` at
+    TP 2, then ``dist_checkpointing.load`` at TP 1 into a model from another seed: the
+    backend is read from the directory, the blocks come back resharded and the common part
+    (the iteration) as Megatron stores it."""
+    env = {**env, "MEGATRON_DIR": str(tmp_path / "ckpt")}
+    saved = run("dcsave", 2, 2, tmp_path / "saved", env)
+    where = tmp_path / "ckpt" / "iter_0000007"
+    assert json.loads((where / "metadata.json").read_text())["sharded_backend"] == "flashckpt"
+    assert (where / "flashckpt.json").read_bytes().startswith(b"FLASHCKPT-MEGATRON-POINTER")
+    loaded = run("dcload", 1, 2, tmp_path / "loaded", env)
+    want, got = assembled(saved), assembled(loaded)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert all(r["iteration"] == 7 for r in loaded)
+
+
+def test_a_directory_without_its_pointer_is_refused_with_what_happened(tmp_path):
+    from flashckpt import megatron_dist
+
+    _, load = megatron_dist.register()
+    with pytest.raises(FlashCkptError, match="has no flashckpt.json: it was not saved with"):
+        load.load({}, tmp_path)
+    (tmp_path / "flashckpt.json").write_text("not a pointer")
+    with pytest.raises(FlashCkptError, match="is not a flashckpt pointer"):
+        load.load({}, tmp_path)
+    with pytest.raises(FlashCkptError, match="version 2"):
+        load.check_version_compatibility(2)
+
+
 class _Block:
     """What ``flashckpt.megatron`` reads of a ShardedTensor."""
 
@@ -88,7 +119,10 @@ def test_a_block_is_named_by_its_key_and_layer_and_placed_without_the_layer_axes
     data = torch.zeros(4, 3)
     st = _Block(key="decoder.layers.w", data=data, local_shape=(4, 3), global_shape=(2, 8, 3),
                 global_offset=(1, 4, 0), prepend_axis_num=1, axis_fragmentations=(2, 2, 1))  # fmt: skip
-    assert flash_mcore.block_name(st) == "decoder.layers.w@1"
+    assert flash_mcore.block_name(st) == "decoder.layers.w@1/2"
+    assert flash_mcore.parse_block_name("decoder.layers.w@1/2") == ("decoder.layers.w", (1,), (2,))
+    assert flash_mcore.parse_block_name("odd@name") == ("odd@name", (), ())
+    assert flash_mcore.parse_block_name("w@3/2") == ("w@3/2", (), ())
     leaf = flash_mcore.to_leaf(st)
     assert leaf.local is data
     assert leaf.shard.global_shape == (8, 3) and leaf.shard.global_offset == (4, 0)
