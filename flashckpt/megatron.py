@@ -29,7 +29,7 @@ snapshots).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -215,12 +215,13 @@ class MegatronState:
         ]
         return {"state": state, "step": step, "param_groups": groups}
 
-    def before_restore(self) -> list[torch.optim.Optimizer]:
+    def before_restore(self, saved: Collection[str]) -> list[torch.optim.Optimizer]:
         """Give a fresh optimizer its state (a step at learning rate 0 on zero gradients,
         which changes no parameter) for the restore to fill in place, resharded where it
-        must be; the optimizers given state (cleared again if the restore is refused)."""
+        must be, if the snapshot holds one (``saved``: its keys); the optimizers given state
+        (cleared again if the restore is refused)."""
         opt = self.optimizer
-        if opt is None or opt.state:
+        if opt is None or opt.state or "optimizer" not in saved:
             return []
         n = len(optim_state.params_in_order(opt))
         return [opt] if optim_state.create_state(opt, range(n)) else []

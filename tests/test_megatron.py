@@ -140,3 +140,18 @@ def test_what_the_door_cannot_store_is_refused_with_what_to_do():
         flash_mcore.to_leaf(wrong)
     with pytest.raises(FlashCkptError, match="pass the optimizer it wraps"):
         flash_mcore.state(torch.nn.Linear(2, 2), optimizer=object())  # type: ignore[arg-type]
+
+
+def test_a_fresh_optimizer_gets_state_only_for_a_snapshot_that_holds_one():
+    """Before a restore the door creates a fresh optimizer's state (for the snapshot's
+    moments to fill in place, resharded): only if the snapshot holds an optimizer, and
+    without moving a parameter."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = flash_mcore.state(model, opt)
+    assert state.before_restore({"model"}) == [] and not opt.state
+    assert state.before_restore({"model", "optimizer"}) == [opt]
+    assert len(opt.state) == 2 and all("exp_avg" in s for s in opt.state.values())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert opt.param_groups[0]["lr"] == 0.1

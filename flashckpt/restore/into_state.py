@@ -153,7 +153,7 @@ class Planner:
             return lambda src: target
         ready = getattr(target, "before_restore", None)
         if callable(ready):  # a door's Stateful readies what is filled (an optimizer's state)
-            self.created.extend(ready())
+            self.created.extend(ready(_saved_keys(node["v"])))
         indices = _state_indices(node["v"])
         fresh = optim_state.needs_state(target, indices, device.runtime().is_device_tensor)
         if fresh and optim_state.create_state(target, indices):
@@ -306,6 +306,19 @@ def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source) -> None
         # Gradients are no part of a snapshot: none survive a rollback (a step cut short by
         # a fault would otherwise add its own to the next one's).
         target.zero_grad(set_to_none=True)
+
+
+def _saved_keys(node: Any) -> set[Any]:
+    """The keys of a saved dict node (empty for anything else)."""
+    if not isinstance(node, dict) or node.get("t") != "dict":
+        return set()
+    keys = set()
+    for knode, _ in node.get("items", []):
+        try:
+            keys.add(_decode_key(knode))
+        except TypeError:  # a key that does not hash (a list): not one a door asks for
+            continue
+    return keys
 
 
 def _state_indices(node: Any) -> set[int]:
