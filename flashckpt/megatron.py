@@ -10,21 +10,22 @@ replica it is). The Stateful here turns that description into flashckpt's own: e
 a tensor leaf with its shard recorded (``Sharded``: global shape and offset, as a DTensor's
 shard is), named by its global key (and its layer, for the axes Megatron prepends to stack
 layers), so the same tensor has the same name on every rank and at every parallel layout.
-A restore into the same layout fills every block in place; into another tensor- or
-data-parallel size, each rank's new blocks are assembled from the old ranks' blocks that
-overlap them, read from a tier that holds every rank (``restore/reshard.py``).
+A restore into the same layout fills every block in place; into another tensor-, data- or
+pipeline-parallel size, each rank's new blocks are assembled from the old ranks' blocks that
+overlap them (a block its own snapshot does not hold, a layer another stage held, is found
+in the old rank's that does), read from this node's memory when it holds every old rank,
+else from a tier that does (``restore/reshard.py``).
 
 The optimizer is a ``torch.optim`` optimizer over the model's parameters (what Megatron's
 ``FP32Optimizer`` wraps): its per-parameter state gets the sharding of its parameter, as
 Megatron's ``optim_state_to_sharding_state`` gives it; step counts and hyper-parameters are
-stored as they are. A fresh optimizer gets its state created before a restore fills it.
+stored as they are (one step count where all agree, the usual case, so it fits any
+layout). A fresh optimizer gets its state created before a restore fills it.
 
 Every rank stores every block it holds, replicas included (``replica_id`` other than 0): a
 rank restores from its own node's memory without reading another's, and a restore at
 another layout uses one copy of each block. Not supported (a clear error): blocks that are
-slices of a flattened tensor (``flattened_range``, Megatron's ``DistributedOptimizer``), and
-restoring at another pipeline-parallel size (a rank's keys then come from other ranks'
-snapshots).
+slices of a flattened tensor (``flattened_range``, Megatron's ``DistributedOptimizer``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 from .errors import FlashCkptError
 from .format.manifest import ShardInfo
 from .restore import optim_state
-from .snapshot.flatten import Sharded
+from .snapshot.flatten import BLOCK, Sharded
 
 try:
     from megatron.core.dist_checkpointing.mapping import (
@@ -55,8 +56,6 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "flashckpt.megatron needs Megatron-Core: pip install 'flashckpt[megatron]'"
     ) from exc
-
-PLACEMENT = ("megatron",)  # a ShardInfo's placements: a Megatron block, not a DTensor's
 
 
 def state(model: Any, optimizer: torch.optim.Optimizer | None = None) -> MegatronState:
@@ -110,7 +109,7 @@ def to_leaf(st: ShardedTensor) -> Sharded:
     info = ShardInfo(
         global_shape=tuple(st.global_shape[n:]),
         global_offset=tuple(st.global_offset[n:]),
-        placements=PLACEMENT,
+        placements=BLOCK,
         mesh_shape=tuple(st.axis_fragmentations[n:]) if st.axis_fragmentations else (),
     )
     return Sharded(data, info)
@@ -136,9 +135,9 @@ def _blocks(sharded: Any, where: str) -> Iterator[tuple[str, Any]]:
 
 
 def leaves(sharded: Any, where: str) -> dict[str, Any]:
-    """A sharded state dict as flashckpt's state: every block a ``Sharded`` leaf under its
-    ``block_name``, every object and plain value under its name; ``where`` names it in
-    errors."""
+    """A sharded state dict's tensors as flashckpt's state: every block a ``Sharded`` leaf
+    under its ``block_name``, every plain value under its name (objects: ``objects()``);
+    ``where`` names it in errors."""
     out: dict[str, Any] = {}
     for name, value in _blocks(sharded, ""):
         if name in out:
@@ -149,12 +148,35 @@ def leaves(sharded: Any, where: str) -> dict[str, Any]:
         if isinstance(value, ShardedTensor):
             out[name] = to_leaf(value)
         elif isinstance(value, ShardedObject):
-            out[name] = value.data
+            continue  # objects() holds them
         elif isinstance(value, ShardedTensorFactory):  # pragma: no cover - applied before
             raise FlashCkptError(f"{name}: a ShardedTensorFactory left unapplied")
         else:
             out[name] = value
     return out
+
+
+class _Objects(dict):
+    """A rank's ShardedObjects (a layer's extra state), by their unique key. ``may_lack``:
+    a snapshot taken at another pipeline layout holds other layers' objects, so a restore
+    leaves those it lacks as they are (and ignores those this rank no longer holds)."""
+
+    may_lack = True
+
+
+def objects(sharded: Any) -> _Objects:
+    """The ShardedObjects of a sharded state dict: unique key -> data."""
+    return _Objects(
+        (name, value.data)
+        for name, value in _blocks(sharded, "")
+        if isinstance(value, ShardedObject)
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
 
 
 class MegatronState:
@@ -187,7 +209,7 @@ class MegatronState:
 
     def state_dict(self) -> dict[str, Any]:
         sharded = self._model_sharded()
-        out: dict[str, Any] = {"model": leaves(sharded, "model")}
+        out: dict[str, Any] = {"model": leaves(sharded, "model"), "objects": objects(sharded)}
         if self.optimizer is not None:
             out["optimizer"] = self._optimizer_dict(sharded)
         return out
@@ -203,12 +225,14 @@ class MegatronState:
         steps = {i: st.pop("step") for i, st in sd["state"].items() if "step" in st}
         optim_state_to_sharding_state(sd, ids)
         state: dict[str, Any] = {}
-        step: dict[str, Any] = {}
-        for i, per_key in sd["state"].items():
+        for per_key in sd["state"].values():
             for sharded in per_key.values():
                 state[block_name(sharded)] = to_leaf(sharded)
-            if i in steps:
-                step[block_name(ids[i])] = steps[i]
+        counts = list(steps.values())
+        if counts and all(_same(c, counts[0]) for c in counts):
+            step: Any = counts[0]  # one count (the usual case): the same at any layout
+        else:
+            step = {block_name(ids[i]): c for i, c in steps.items()}
         groups = [
             {k: v for k, v in g.items() if k != "params"} | {"params": len(g["params"].obj)}
             for g in sd["param_groups"]
@@ -230,12 +254,8 @@ class MegatronState:
         """Put back what a restore does not fill in place: the model's objects (extra
         states), and the optimizer's step counts and hyper-parameters."""
         sharded = self._model_sharded()
-        objects = {}
-        for name, value in _blocks(sharded, ""):
-            if isinstance(value, ShardedObject) and name in sd.get("model", {}):
-                objects[name] = sd["model"][name]
-        if objects:
-            self._load_objects(sharded, objects)
+        if sd.get("objects"):
+            self._load_objects(sharded, sd["objects"])
         if self.optimizer is not None and "optimizer" in sd:
             self._load_optimizer(sharded, sd["optimizer"])
 
@@ -259,14 +279,14 @@ class MegatronState:
         ids = get_param_id_to_sharded_param_map(model_sharded, params)
         steps = saved.get("step", {})
         for i, sharded in ids.items():
-            name = block_name(sharded)
-            if name in steps and "step" in opt.state.get(params[i], {}):
-                held = opt.state[params[i]]["step"]
-                value = steps[name]
-                if isinstance(held, torch.Tensor):
-                    held.copy_(torch.as_tensor(value, dtype=held.dtype))
-                else:
-                    opt.state[params[i]]["step"] = value
+            per_param = steps.get(block_name(sharded)) if isinstance(steps, dict) else steps
+            if per_param is None or "step" not in opt.state.get(params[i], {}):
+                continue
+            held = opt.state[params[i]]["step"]
+            if isinstance(held, torch.Tensor):
+                held.copy_(torch.as_tensor(per_param, dtype=held.dtype))
+            else:
+                opt.state[params[i]]["step"] = per_param
         groups = saved.get("param_groups", [])
         if len(groups) != len(opt.param_groups):
             raise FlashCkptError(

@@ -34,10 +34,16 @@ from flashckpt import megatron as flash_mcore  # noqa: E402
 
 def build(seed: int) -> tuple[GPTModel, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
-                               use_cpu_initialization=True)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )  # fmt: skip
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                     vocab_size=64, max_sequence_length=8)  # fmt: skip
+                     vocab_size=64, max_sequence_length=8,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())  # fmt: skip
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -101,7 +107,9 @@ def dist_checkpointing_phase(phase: str, model: GPTModel, opt, out: str) -> None
 def main() -> None:
     phase, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    pp = int(os.environ.get("MEGATRON_PP", "1"))  # pipeline stages
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)  # fmt: skip
     model, opt = build(0 if phase in ("save", "dcsave") else 1)
     if phase.startswith("dc"):
         dist_checkpointing_phase(phase, model, opt, out)

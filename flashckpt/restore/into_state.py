@@ -19,7 +19,15 @@ import torch
 from ..errors import ManifestError, PickleNotAllowedError, StateMismatchError
 from ..format.manifest import Entry, Manifest, ShardInfo, decode_scalar, dtype_from_name, dtype_name
 from ..snapshot import device
-from ..snapshot.flatten import Sharded, copy_into, is_dtensor, is_stateful, join, tensor_source
+from ..snapshot.flatten import (
+    BLOCK,
+    Sharded,
+    copy_into,
+    is_dtensor,
+    is_stateful,
+    join,
+    tensor_source,
+)
 from ..snapshot.steady import Walked
 from . import optim_state
 from .entry_copy import Source
@@ -224,6 +232,27 @@ class Planner:
 
         return produce
 
+    def _a_block(self, node: Any) -> bool:
+        """Whether ``node`` is a ``Sharded`` block (named by its global tensor)."""
+        if not (isinstance(node, dict) and node.get("t") == "tensor"):
+            return False
+        shard = self.entry(node).shard
+        return shard is not None and tuple(shard.placements) == BLOCK
+
+    def _from_others(self, target: Sharded, path: str) -> Producer:
+        """A block this rank's snapshot does not hold (at another pipeline layout, another
+        rank held it): assembled from the old ranks' snapshots that do."""
+        assert self.resharder is not None
+        dst = target.local
+        self.resharder.want_block(path, dtype_name(dst.dtype), target.shard, tuple(dst.shape))
+
+        def produce(src: Source) -> Any:
+            assert self.resharder is not None
+            copy_into(dst, self.resharder.block(path))
+            return target
+
+        return produce
+
     def _ndarray(self, e: Entry, target: np.ndarray, path: str, lenient: bool) -> Producer:
         if tuple(target.shape) != tuple(e.shape) or not target.flags.writeable:
             return self.fresh({"t": "ndarray", "i": self.m.entries.index(e)}, path)
@@ -251,12 +280,19 @@ class Planner:
             sub = join(path, key)
             if key in target:
                 items.append((key, self.match(vnode, target[key], sub, lenient)))
+            elif self._a_block(vnode):
+                continue  # a block another rank holds at this layout: not this rank's to load
             elif lenient:
                 items.append((key, self.fresh(vnode, sub)))
             else:
                 self.mismatches.append(Mismatch(sub, "unexpected", "in snapshot, not in state"))
         for key in target:
-            if key not in seen:
+            if key in seen or getattr(target, "may_lack", False):  # a door's: left as is
+                continue
+            value = target[key]
+            if type(value) is Sharded and value.shard.placements == BLOCK and self.resharder:
+                items.append((key, self._from_others(value, join(path, key))))
+            else:
                 self.mismatches.append(
                     Mismatch(join(path, key), "missing", "in state, not in snapshot")
                 )

@@ -68,6 +68,11 @@ class Resharder:
         self.wants[path] = Want(path, saved.dtype, target.global_shape, target.global_offset, shape)
         return ""
 
+    def want_block(self, path: str, dtype: str, target: ShardInfo, shape: tuple[int, ...]) -> None:
+        """Ask for ``target``'s block of a tensor this rank's snapshot does not hold (the old
+        ranks that do are found when fetching)."""
+        self.wants[path] = Want(path, dtype, target.global_shape, target.global_offset, shape)
+
     def block(self, path: str) -> torch.Tensor:
         return self.blocks[path]
 

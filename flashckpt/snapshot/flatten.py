@@ -58,6 +58,11 @@ class Leaf:
     replicated: bool = False  # the same bytes on every rank of the job's replica group
 
 
+BLOCK = ("block",)
+"""The placements of a ``Sharded`` leaf's shard: a block named by its global tensor, which
+any rank may hold (a restore at another layout finds it in whichever old rank's snapshot)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Sharded:
     """A block of a global tensor that this rank holds where no DTensor says so (a
