@@ -75,21 +75,6 @@ def block_name(st: Any) -> str:
     return f"{st.key}@{'.'.join(map(str, at))}/{'.'.join(map(str, of))}"
 
 
-def parse_block_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """(key, index on each prepended axis, their sizes) of a ``block_name``."""
-    key, sep, rest = name.rpartition("@")
-    if not sep or "/" not in rest:
-        return name, (), ()
-    at, _, of = rest.partition("/")
-    try:
-        index, sizes = tuple(map(int, at.split("."))), tuple(map(int, of.split(".")))
-    except ValueError:
-        return name, (), ()
-    if len(index) != len(sizes) or not all(0 <= i < n for i, n in zip(index, sizes, strict=True)):
-        return name, (), ()
-    return key, index, sizes
-
-
 def to_leaf(st: ShardedTensor) -> Sharded:
     """The tensor leaf of a ShardedTensor: its data, and where it sits in the global tensor
     less the prepended axes (one block a layer)."""

@@ -77,15 +77,24 @@ def blocks(state: flash_mcore.MegatronState) -> dict:
 
 def dist_checkpointing_phase(phase: str, model: GPTModel, opt, out: str) -> None:
     """``dcsave``/``dcload``: the model through Megatron's own ``dist_checkpointing.save``
-    and ``load`` with the flashckpt backend, into MEGATRON_DIR/iter_0000007."""
+    and ``load`` with the flashckpt backend, into MEGATRON_DIR/iter_0000007; ``dcexported``:
+    ``dist_checkpointing.load`` (torch_dist, no flashckpt backend) of MEGATRON_EXPORT."""
     from megatron.core import dist_checkpointing
 
     import flashckpt.megatron_dist
 
-    flashckpt.megatron_dist.register()
-    where = os.path.join(os.environ["MEGATRON_DIR"], "iter_0000007")
+    if phase != "dcexported":
+        flashckpt.megatron_dist.register()
+    where = os.path.join(os.environ.get("MEGATRON_DIR", ""), "iter_0000007")
     result: dict = {}
-    if phase == "dcsave":
+    if phase == "dcexported":  # written by flashckpt export: Megatron's own torch_dist
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                         os.environ["MEGATRON_EXPORT"],
+                                         strict=StrictHandling.LOG_ALL)  # fmt: skip
+        model.load_state_dict(loaded["model"], strict=False)
+    elif phase == "dcsave":
         step_by_hand(model, opt)
         os.makedirs(where, exist_ok=True)
         dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 7}, where,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ pytest.importorskip("megatron.core", reason="the megatron extra: pip install 'fl
 
 from flashckpt import megatron as flash_mcore  # noqa: E402
 from flashckpt.errors import FlashCkptError  # noqa: E402
+from flashckpt.restore.export_megatron import parse_block_name  # noqa: E402
 
 TRAINER = ROOT / "tests" / "megatron_trainer.py"
 
@@ -97,6 +100,30 @@ def test_dist_checkpointing_save_and_load_go_through_the_flashckpt_backend(env, 
     assert all(r["iteration"] == 7 for r in loaded)
 
 
+@pytest.mark.slow
+def test_an_exported_step_loads_with_megatrons_own_torch_dist_at_another_layout(env, tmp_path):
+    """Saved at TP 2 through the door, ``flashckpt export --format megatron``, then
+    Megatron's ``dist_checkpointing.load`` (its torch_dist strategy, no flashckpt backend)
+    at TP 1: the model's tensors equal the saved ones; the layers are stacked as Megatron
+    describes them."""
+    saved = run("save", 2, 2, tmp_path / "saved", env)
+    out = tmp_path / "exported"
+    tier = f"file://{env['MEGATRON_TIER']}"
+    done = subprocess.run([sys.executable, "-m", "flashckpt.cli", "export", tier, "--format",
+                           "megatron", "--to", str(out)], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    loaded = run("dcexported", 1, 2, tmp_path / "loaded", {**env, "MEGATRON_EXPORT": str(out)})
+    want, got = assembled(saved), assembled(loaded)
+    model = {k for k in want if not k.startswith("optimizer.")}
+    assert model == got.keys() and all(torch.equal(want[k], got[k]) for k in model)
+    with pytest.raises(Exception, match="no Megatron blocks"):
+        from flashckpt.restore.export import export
+
+        export(tier, tmp_path / "none", "megatron", select="megatron/nothing")
+
+
 def test_a_directory_without_its_pointer_is_refused_with_what_happened(tmp_path):
     from flashckpt import megatron_dist
 
@@ -124,9 +151,9 @@ def test_a_block_is_named_by_its_key_and_layer_and_placed_without_the_layer_axes
     st = _Block(key="decoder.layers.w", data=data, local_shape=(4, 3), global_shape=(2, 8, 3),
                 global_offset=(1, 4, 0), prepend_axis_num=1, axis_fragmentations=(2, 2, 1))  # fmt: skip
     assert flash_mcore.block_name(st) == "decoder.layers.w@1/2"
-    assert flash_mcore.parse_block_name("decoder.layers.w@1/2") == ("decoder.layers.w", (1,), (2,))
-    assert flash_mcore.parse_block_name("odd@name") == ("odd@name", (), ())
-    assert flash_mcore.parse_block_name("w@3/2") == ("w@3/2", (), ())
+    assert parse_block_name("decoder.layers.w@1/2") == ("decoder.layers.w", (1,), (2,))
+    assert parse_block_name("odd@name") == ("odd@name", (), ())
+    assert parse_block_name("w@3/2") == ("w@3/2", (), ())
     leaf = flash_mcore.to_leaf(st)
     assert leaf.local is data
     assert leaf.shard.global_shape == (8, 3) and leaf.shard.global_offset == (4, 0)

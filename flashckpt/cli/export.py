@@ -1,5 +1,5 @@
-"""``flashckpt export URL --format torch|safetensors|dcp --to PATH [--step N] [--select KEYS]``:
-write a committed step as files that torch, safetensors or DCP read without flashckpt.
+"""``flashckpt export URL --format torch|safetensors|dcp|megatron --to PATH [--step N] [--select KEYS]``:
+write a committed step as files that torch, safetensors, DCP or Megatron read without flashckpt.
 
 The step (default: the newest committed) is read from the tier whole, every chunk verified,
 DTensor shards assembled into full tensors (``flashckpt.load``); ``--select model`` (a
@@ -10,6 +10,8 @@ DTensor shards assembled into full tensors (``flashckpt.load``); ``--select mode
   safetensors  a file ending in .safetensors, or a directory: model.safetensors, or shards
                and model.safetensors.index.json (names dot-joined: model.0.weight)
   dcp          a directory torch.distributed.checkpoint.load reads in one process
+  megatron     a directory Megatron-Core's dist_checkpointing.load reads at any parallel
+               layout (torch_dist); --select defaults to megatron/model
 
 A directory export is sharded as transformers shards when the tensors exceed
 --max-shard-size (default 5GB). Files are written under temporary names and renamed once
@@ -57,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs=1, metavar="URL",
                    help="the tier to read the step from (file:///dir, pfs:///dir, s3://bucket/prefix, or any fsspec URL: gs://...)")  # fmt: skip
     p.add_argument("--format", required=True, choices=FORMATS,
-                   help="torch (torch.load), safetensors, or dcp (torch.distributed.checkpoint)")  # fmt: skip
+                   help="torch (torch.load), safetensors, dcp (torch.distributed.checkpoint), or "
+                   "megatron (Megatron-Core's torch_dist, for dist_checkpointing.load)")  # fmt: skip
     p.add_argument("--to", required=True, metavar="PATH",
                    help="a directory, or for torch/safetensors a single .pt/.safetensors file")  # fmt: skip
     add_job(p)

@@ -27,6 +27,11 @@ a subtree, whose keys become the exported names. Formats:
     A directory ``torch.distributed.checkpoint.load(state_dict, checkpoint_id=dir)`` reads
     in one process, no process group, into a state_dict of the same structure
     (``max_shard_size`` does not apply).
+``megatron``
+    A directory Megatron-Core's ``dist_checkpointing.load`` reads (its ``torch_dist``
+    layout), at any parallel layout: the blocks saved through ``flashckpt.megatron`` under
+    ``select`` (default ``megatron/model``) assembled into Megatron's global tensors (see
+    ``export_megatron``).
 
 Every file is written to a ``.tmp-`` name beside its final one, flushed to disk, then
 renamed (a DCP directory as a whole), so a crash never leaves a partial file under a final
@@ -56,7 +61,7 @@ from ..errors import ConfigError
 from .loader import committed, load_from, resolve_job
 from .sources import run_with_tier
 
-FORMATS = ("torch", "safetensors", "dcp")
+FORMATS = ("torch", "safetensors", "dcp", "megatron")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", transformers' unit and default
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # The dtypes the safetensors format names (its spec), by torch name.
@@ -120,6 +125,8 @@ def export(
     if format not in FORMATS:
         raise ConfigError(f"format {format!r} is not one of {', '.join(FORMATS)}")
     limit = parse_size(max_shard_size)
+    if format == "megatron":
+        return _megatron(url, Path(to), job, step, select, progress or (lambda d, t: None))
     if format == "safetensors":
         _safetensors()  # a missing package is said before anything is read
 
@@ -439,6 +446,22 @@ def _dcp(value: Any, to: Path, select: str | None, limit: int, result: ExportRes
     if not isinstance(value, dict):
         raise ConfigError(f"DCP exports a dict; select {select!r} is a {type(value).__name__}")
     tensors, _ = flat(value, select)
+
+    def fill(tmp: Path) -> None:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(value, storage_writer=writer, no_dist=True)
+
+    _checkpoint_dir(tensors, to, fill, result, progress)
+    if limit != DEFAULT_MAX_SHARD_SIZE:
+        result.notes.append("max_shard_size does not apply to dcp: it writes one data file")
+
+
+def _checkpoint_dir(tensors: dict[str, torch.Tensor], to: Path, fill: Callable[[Path], None],
+                    result: ExportResult, progress: Progress) -> None:  # fmt: skip
+    """A DCP directory at ``to``, filled by ``fill`` in a temporary beside it and put in
+    place whole (an earlier one steps aside, then goes)."""
     result.tensors = len(tensors)
     result.total_size = sum(t.numel() * t.element_size() for t in tensors.values())
     to.parent.mkdir(parents=True, exist_ok=True)
@@ -446,10 +469,7 @@ def _dcp(value: Any, to: Path, select: str | None, limit: int, result: ExportRes
         raise ConfigError(f"{to} exists and is not a DCP checkpoint; name a new directory")
     tmp = _temp_beside(to)
     try:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(value, storage_writer=writer, no_dist=True)
+        fill(tmp)
         old = _temp_beside(to) if to.exists() else None
         if old is not None:
             os.replace(to, old)  # the earlier checkpoint steps aside whole, then goes
@@ -462,5 +482,23 @@ def _dcp(value: Any, to: Path, select: str | None, limit: int, result: ExportRes
         raise
     result.files = sorted(str(p) for p in to.iterdir())
     progress(result.total_size, result.total_size)
-    if limit != DEFAULT_MAX_SHARD_SIZE:
-        result.notes.append("max_shard_size does not apply to dcp: it writes one data file")
+
+
+def _megatron(url: str, to: Path, job: str | None, step: int | None, select: str | None,
+              progress: Progress) -> ExportResult:  # fmt: skip
+    """``format="megatron"``: see ``export_megatron``."""
+    from .export_megatron import megatron_tensors, write_torch_dist
+
+    chosen = select or "megatron/model"
+
+    async def read(tier) -> tuple[str, int, dict[str, torch.Tensor]]:
+        name = await resolve_job(tier, job)
+        c = await committed(tier, name, step)
+        return name, c.step, await megatron_tensors(tier, name, c, chosen)
+
+    name, at, tensors = run_with_tier(url, read)
+    result = ExportResult(name, at, "megatron", str(to))
+    _checkpoint_dir(tensors, to, lambda tmp: write_torch_dist(tensors, tmp), result, progress)
+    result.notes.append("ShardedObjects (extra states) are not exported: load with a strict "
+                        "mode that skips keys the checkpoint lacks (StrictHandling.LOG_ALL)")  # fmt: skip
+    return result
