@@ -8,10 +8,14 @@ LOCAL_WORLD_SIZE and WORLD_SIZE), never from slot files left behind by an earlie
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from flashckpt.pidfile import pid_alive
+
+LATE_GRACE_S = 30.0
+"""How long a closing trainer's last step waits for the node's ranks that never registered."""
 
 
 @dataclass
@@ -22,6 +26,7 @@ class Trainers:
     local_world_size: int = 0  # ranks of the job on this node (LOCAL_WORLD_SIZE); 0: unknown
     # the newest (generation, step) a closing trainer asked to flush past throttles
     final_step: tuple[int, int] = (0, -1)
+    closing_since: float | None = None  # when the first trainer asked to flush (monotonic)
 
     def register(self, rank: int, pid: int, world_size: int, local_world_size: int) -> None:
         if self.pids and (world_size, local_world_size) != (self.world_size, self.local_world_size):
@@ -41,6 +46,8 @@ class Trainers:
         self.closing.discard(rank)  # a restarted trainer takes its rank back
 
     def close(self, rank: int, step: tuple[int, int]) -> None:
+        if not self.closing:
+            self.closing_since = time.monotonic()
         self.closing.add(rank)
         self.final_step = max(self.final_step, step)
 
@@ -61,11 +68,18 @@ class Trainers:
         if not self.pids:
             live = {r for r in with_slots if owned(r)}
             return live or set(with_slots)
-        if len(self.pids) < self.local_world_size:
+        if len(self.pids) < self.local_world_size and not self._given_up_on_the_rest():
             # Even for a closing trainer's last step: stored without the ranks still to
             # register, it would count as stored and theirs would never go out.
             return None
         return {r for r, pid in self.pids.items() if r in with_slots or pid_alive(pid)}
+
+    def _given_up_on_the_rest(self) -> bool:
+        """Whether a trainer has been closing for ``LATE_GRACE_S`` while some of the node's
+        ranks never registered (ranks that make no Checkpointer): its last step then goes
+        out with the ranks that did, rather than never."""
+        since = self.closing_since
+        return bool(self.closing) and since is not None and time.monotonic() - since > LATE_GRACE_S
 
     def stale(self, with_slots: Collection[int], owned: Callable[[int], bool]) -> set[int]:
         """Ranks with slots that the live job does not run on this node and no live process

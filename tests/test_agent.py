@@ -529,3 +529,20 @@ def test_a_duty_share_rests_the_tier_in_proportion_to_its_last_round(tmp_path):
     assert not worker._throttled((0, 5))
     with pytest.raises(ConfigError, match="share of the time"):
         open_tier(f"file://{tmp_path / 't'}?duty=2")
+
+
+def test_a_closing_step_waits_a_while_for_ranks_that_never_register(monkeypatch):
+    """A node's rank that makes no Checkpointer never registers: the closing trainer's last
+    step waits LATE_GRACE_S for it (a slow rank is still starting), then goes out with the
+    ranks that registered."""
+
+    from flashckpt.agent import trainers as trainers_module
+
+    t = trainers_module.Trainers()
+    t.register(1, os.getpid(), world_size=2, local_world_size=2)
+    assert t.required({1}, lambda r: True) is None  # rank 0 may still register
+    t.close(1, (0, 5))
+    assert t.required({1}, lambda r: True) is None  # closing: still waits, for a while
+    clock = time.monotonic() + trainers_module.LATE_GRACE_S + 1
+    monkeypatch.setattr(trainers_module.time, "monotonic", lambda: clock)
+    assert t.required({1}, lambda r: True) == {1}
