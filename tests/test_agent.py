@@ -535,7 +535,6 @@ def test_a_closing_step_waits_a_while_for_ranks_that_never_register(monkeypatch)
     """A node's rank that makes no Checkpointer never registers: the closing trainer's last
     step waits LATE_GRACE_S for it (a slow rank is still starting), then goes out with the
     ranks that registered."""
-
     from flashckpt.agent import trainers as trainers_module
 
     t = trainers_module.Trainers()
