@@ -98,6 +98,10 @@ def test_dist_checkpointing_save_and_load_go_through_the_flashckpt_backend(env, 
     want, got = assembled(saved), assembled(loaded)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert all(r["iteration"] == 7 for r in loaded)
+    from flashckpt.restore.export import export  # what the backend saved exports as well
+
+    done = export(f"file://{tmp_path / 'ckpt' / '.flashckpt'}", tmp_path / "out", "megatron")
+    assert done.step == 7 and done.tensors == len({k.split("@")[0] for k in want})
 
 
 @pytest.mark.slow

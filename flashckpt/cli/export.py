@@ -11,7 +11,7 @@ DTensor shards assembled into full tensors (``flashckpt.load``); ``--select mode
                and model.safetensors.index.json (names dot-joined: model.0.weight)
   dcp          a directory torch.distributed.checkpoint.load reads in one process
   megatron     a directory Megatron-Core's dist_checkpointing.load reads at any parallel
-               layout (torch_dist); --select defaults to megatron/model
+               layout (torch_dist); --select defaults to megatron/model, else megatron
 
 A directory export is sharded as transformers shards when the tensors exceed
 --max-shard-size (default 5GB). Files are written under temporary names and renamed once

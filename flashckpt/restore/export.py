@@ -30,7 +30,8 @@ a subtree, whose keys become the exported names. Formats:
 ``megatron``
     A directory Megatron-Core's ``dist_checkpointing.load`` reads (its ``torch_dist``
     layout), at any parallel layout: the blocks saved through ``flashckpt.megatron`` under
-    ``select`` (default ``megatron/model``) assembled into Megatron's global tensors (see
+    ``select`` (default ``megatron/model``, else ``megatron``: what the ``dist_checkpointing``
+    backend saves) assembled into Megatron's global tensors (see
     ``export_megatron``).
 
 Every file is written to a ``.tmp-`` name beside its final one, flushed to disk, then
@@ -489,12 +490,10 @@ def _megatron(url: str, to: Path, job: str | None, step: int | None, select: str
     """``format="megatron"``: see ``export_megatron``."""
     from .export_megatron import megatron_tensors, write_torch_dist
 
-    chosen = select or "megatron/model"
-
     async def read(tier) -> tuple[str, int, dict[str, torch.Tensor]]:
         name = await resolve_job(tier, job)
         c = await committed(tier, name, step)
-        return name, c.step, await megatron_tensors(tier, name, c, chosen)
+        return name, c.step, await megatron_tensors(tier, name, c, select)
 
     name, at, tensors = run_with_tier(url, read)
     result = ExportResult(name, at, "megatron", str(to))

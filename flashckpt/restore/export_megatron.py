@@ -10,7 +10,7 @@ Megatron's ``metadata.json`` (backend ``torch_dist``) and an empty ``common.pt``
 needs the sharded state dict of the model at any layout; ShardedObjects (a layer's extra
 state) are not exported, so load with ``strict=StrictHandling.LOG_ALL`` (or any mode that
 skips keys the checkpoint lacks) where the model has them. Optimizer moments are exported
-under their keys (``optimizer.state.exp_avg.<key>``) with ``select="megatron/optimizer"``.
+under their keys (``optimizer.state.exp_avg.<key>``) with ``select="megatron/optimizer/state"``.
 """
 
 from __future__ import annotations
@@ -48,22 +48,24 @@ def parse_block_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
 
 
 async def megatron_tensors(tier, job: str, c: tier_io.CommittedStep,
-                           select: str) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The global tensors of the blocks under ``select`` (a ``/``-path of the saved state)
-    of committed step ``c``, by Megatron key, assembled from every rank's blocks."""
+                           select: str | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The global tensors of the blocks under ``select`` (a ``/``-path of the saved state;
+    default: ``megatron/model``, what ``flashckpt.megatron.state`` saves, else ``megatron``,
+    what the ``dist_checkpointing`` backend saves) of committed step ``c``, by Megatron key,
+    assembled from every rank's blocks."""
     manifests = await asyncio.gather(*(
         tier_io.read_manifest(tier, job, c.step, r, c.generation, c.incarnation)
         for r in range(c.world_size)))  # fmt: skip
+    blocks = [e for m in manifests for e in bare_entries(m.entries)
+              if e.shard is not None and tuple(e.shard.placements) == BLOCK]  # fmt: skip
+    if select is None:
+        model = any(e.path.startswith("megatron/model/") for e in blocks)
+        select = "megatron/model" if model else "megatron"
     prefix = select.strip("/") + "/"
     found: dict[str, tuple[str, tuple[int, ...]]] = {}  # path -> (dtype, block's global shape)
-    for m in manifests:
-        for e in bare_entries(m.entries):
-            if (
-                e.shard is not None
-                and tuple(e.shard.placements) == BLOCK
-                and e.path.startswith(prefix)
-            ):
-                found.setdefault(e.path, (e.dtype, tuple(e.shard.global_shape)))
+    for e in blocks:
+        if e.path.startswith(prefix):
+            found.setdefault(e.path, (e.dtype, tuple(e.shard.global_shape)))
     if not found:
         raise ConfigError(f"step {c.step} of job {job!r} holds no Megatron blocks under "
                           f"{select!r}; it was not saved through flashckpt.megatron")  # fmt: skip
