@@ -127,7 +127,9 @@ def export(
         raise ConfigError(f"format {format!r} is not one of {', '.join(FORMATS)}")
     limit = parse_size(max_shard_size)
     if format == "megatron":
-        return _megatron(url, Path(to), job, step, select, progress or (lambda d, t: None))
+        from .export_megatron import export_megatron
+
+        return export_megatron(url, Path(to), job, step, select, progress or (lambda d, t: None))
     if format == "safetensors":
         _safetensors()  # a missing package is said before anything is read
 
@@ -454,12 +456,12 @@ def _dcp(value: Any, to: Path, select: str | None, limit: int, result: ExportRes
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(value, storage_writer=writer, no_dist=True)
 
-    _checkpoint_dir(tensors, to, fill, result, progress)
+    write_checkpoint_dir(tensors, to, fill, result, progress)
     if limit != DEFAULT_MAX_SHARD_SIZE:
         result.notes.append("max_shard_size does not apply to dcp: it writes one data file")
 
 
-def _checkpoint_dir(tensors: dict[str, torch.Tensor], to: Path, fill: Callable[[Path], None],
+def write_checkpoint_dir(tensors: dict[str, torch.Tensor], to: Path, fill: Callable[[Path], None],
                     result: ExportResult, progress: Progress) -> None:  # fmt: skip
     """A DCP directory at ``to``, filled by ``fill`` in a temporary beside it and put in
     place whole (an earlier one steps aside, then goes)."""
@@ -483,21 +485,3 @@ def _checkpoint_dir(tensors: dict[str, torch.Tensor], to: Path, fill: Callable[[
         raise
     result.files = sorted(str(p) for p in to.iterdir())
     progress(result.total_size, result.total_size)
-
-
-def _megatron(url: str, to: Path, job: str | None, step: int | None, select: str | None,
-              progress: Progress) -> ExportResult:  # fmt: skip
-    """``format="megatron"``: see ``export_megatron``."""
-    from .export_megatron import megatron_tensors, write_torch_dist
-
-    async def read(tier) -> tuple[str, int, dict[str, torch.Tensor]]:
-        name = await resolve_job(tier, job)
-        c = await committed(tier, name, step)
-        return name, c.step, await megatron_tensors(tier, name, c, select)
-
-    name, at, tensors = run_with_tier(url, read)
-    result = ExportResult(name, at, "megatron", str(to))
-    _checkpoint_dir(tensors, to, lambda tmp: write_torch_dist(tensors, tmp), result, progress)
-    result.notes.append("ShardedObjects (extra states) are not exported: load with a strict "
-                        "mode that skips keys the checkpoint lacks (StrictHandling.LOG_ALL)")  # fmt: skip
-    return result

@@ -28,7 +28,10 @@ from ..format import tier_io
 from ..format.manifest import ShardInfo
 from ..format.sealed import bare_entries
 from ..snapshot.flatten import BLOCK
+from .export import ExportResult, Progress, write_checkpoint_dir
+from .loader import committed, resolve_job
 from .reshard import Resharder
+from .sources import run_with_tier
 
 
 def parse_block_name(name: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
@@ -111,3 +114,20 @@ def write_torch_dist(tensors: dict[str, torch.Tensor], tmp: Path) -> None:
     meta: dict[str, Any] = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                             "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
     (tmp / "metadata.json").write_text(json.dumps(meta))
+
+
+def export_megatron(url: str, to: Path, job: str | None, step: int | None, select: str | None,
+                    progress: Progress) -> ExportResult:  # fmt: skip
+    """``export(..., format="megatron")``: see the module's documentation."""
+
+    async def read(tier) -> tuple[str, int, dict[str, torch.Tensor]]:
+        name = await resolve_job(tier, job)
+        c = await committed(tier, name, step)
+        return name, c.step, await megatron_tensors(tier, name, c, select)
+
+    name, at, tensors = run_with_tier(url, read)
+    result = ExportResult(name, at, "megatron", str(to))
+    write_checkpoint_dir(tensors, to, lambda tmp: write_torch_dist(tensors, tmp), result, progress)
+    result.notes.append("ShardedObjects (extra states) are not exported: load with a strict "
+                        "mode that skips keys the checkpoint lacks (StrictHandling.LOG_ALL)")  # fmt: skip
+    return result
