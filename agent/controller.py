@@ -72,9 +72,18 @@ class Node:
     peer_address: str = ""  # where its agent holds other nodes' replicas
     failure_domain: str = ""
     replicas: list = field(default_factory=list)  # pb.Replica it holds
+    ran: bool = False  # this agent has reported a running worker
 
     def running(self) -> bool:
         return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
+
+
+def short_of_world(nodes: dict[str, Node]) -> bool:
+    """Whether workers of the job run while some of its ranks were never reported by any
+    node: they run on a node whose agent has not reported them yet."""
+    world = max((n.world_size for n in nodes.values()), default=0)
+    ranks = {s.worker.rank for n in nodes.values() for s in n.workers.values()}
+    return len(ranks) < world and any(n.running() for n in nodes.values())
 
 
 @dataclass
@@ -116,6 +125,7 @@ class Controller:
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.peer_address, node.failure_domain = r.peer_address, r.failure_domain
         node.replicas = list(r.replicas)
+        node.ran |= node.running()
         node.kill &= {pid for pid, s in node.workers.items() if s.worker.alive}
         node.handled &= node.workers.keys()  # a page gone is never reported again
         dead = [w for w in r.workers if not w.alive and w.pid not in node.handled]
@@ -149,23 +159,40 @@ class Controller:
 
     def tick(self, now: float | None = None) -> None:
         """Flag nodes whose agent went silent while their workers ran; the nodes found in one
-        tick (a rack that lost power) are one detection."""
+        tick (a rack that lost power) are one detection.
+
+        A node also counts as running when it went silent before it ever reported a worker,
+        while workers of the job run and some of its ranks were never reported: those ranks
+        joined the round (the others could not have started without them) in the second
+        before its agent's first report of them. Such a node failed after every running
+        worker started, so its detection is dated now and kills the whole round. A spare
+        node, in a round none of whose ranks are missing, is never flagged, nor is a node
+        whose workers all closed."""
         now = time.monotonic() if now is None else now
         for name, job in self.jobs.items():
-            lost = []
+            lost, short = [], None
             for node_name, node in job.nodes.items():
-                if node.lost or now - node.last_seen <= self.node_timeout or not node.running():
+                if node.lost or now - node.last_seen <= self.node_timeout:
+                    continue
+                if node.running():
+                    lost.append((node.last_seen, node_name))
+                elif not node.ran and not node.workers:
+                    short = short_of_world(job.nodes) if short is None else short
+                    if not short:
+                        continue
+                    lost.append((now, node_name))
+                else:
                     continue
                 node.lost = True
-                lost.append((node.last_seen, node_name))
             # Nodes silent since before the round failed: their workers were already ordered
             # killed with it; the others are a new failure, dated by the first to go silent.
             fresh = sorted(x for x in lost if x[0] >= job.round_failed_at)
             if not fresh:
                 continue
             ranks = sorted({s.worker.rank for _, n in fresh for s in job.nodes[n].workers.values()})
+            first = min(job.nodes[n].last_seen for _, n in fresh)
             self._detect(name, job, "node_lost", [n for _, n in fresh], -1, fresh[0][0],
-                         silent_s=round(now - fresh[0][0], 3), ranks=ranks)  # fmt: skip
+                         silent_s=round(now - first, 3), ranks=ranks)  # fmt: skip
 
     def _detect(self, name: str, job: JobState, kind: str, nodes: list[str], rank: int,
                 failed_at: float, **detail: object) -> None:  # fmt: skip

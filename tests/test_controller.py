@@ -110,6 +110,35 @@ def test_a_node_with_no_running_worker_is_not_lost_when_its_agent_leaves(events)
     assert kinds(events) == []
 
 
+def test_a_node_lost_before_it_reported_its_workers_is_lost_while_the_round_lacks_its_ranks(
+    events,
+):
+    """Node b's agent reported once, before its workers started; its ranks joined the round
+    (a's started with them) and b went silent: b is lost, and a's round is killed although it
+    started after b's last report. A silent spare, in a round short of nothing, is not."""
+    c = Controller(events, node_timeout=3, heartbeat=1)
+    c.report(report("a", []), now=100)
+    c.report(report("b", []), now=100)
+    c.report(report("spare", []), now=100)
+    c.report(report("a", [worker(0, 100, 0.5), worker(1, 101, 0.5)]), now=101)
+    c.report(report("a", [worker(0, 100, 3), worker(1, 101, 3)]), now=103.5)
+    c.tick(now=103.6)
+    lost = [e for e in read_events(events.path) if e["kind"] == "node_lost"]
+    assert [(e["nodes"], e["ranks"]) for e in lost] == [(["b", "spare"], [])], lost
+    assert lost[0]["ordered"] == {"a": [100, 101]} and lost[0]["silent_s"] == pytest.approx(3.6)
+
+    c2 = Controller(None, node_timeout=3, heartbeat=1)
+    c2.report(report("spare", []), now=100)
+    for t in (100, 102, 103.5):
+        c2.report(report("a", [worker(0, 100, t - 99), worker(1, 101, t - 99)], world=4), now=t)
+        c2.report(report("b", [worker(2, 200, t - 99), worker(3, 201, t - 99)], world=4), now=t)
+    c2.tick(now=103.6)
+    assert [d.kind for d in c2.status(JOB, now=103.6).detections] == []
+    c2.report(report("b", [worker(2, 200, 6), worker(3, 201, 6, phase="closed")]), now=106)
+    c2.tick(now=106.1)  # rank 3 closed early: the round is short, the spare still is not in it
+    assert [d.kind for d in c2.status(JOB, now=106.1).detections] == []
+
+
 def test_policy_notify_records_detections_and_kills_nothing(events):
     c = Controller(events, policy="notify", node_timeout=5)
     c.report(report("a", [worker(0, 100, 60)]), now=100)
