@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -26,7 +27,8 @@ from flashckpt.storage_tiers.registry import option
 from flashckpt.errors import SharedMemoryError
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
-from flashckpt.format.manifest import Manifest
+from flashckpt.format.manifest import Entry, Manifest
+from flashckpt.format.sealed import bare_entries
 from flashckpt.format.slot import Slot
 from flashckpt.snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 
@@ -137,6 +139,26 @@ class SlotReader:
     def close(self) -> None:
         for path in list(self._open):
             self._drop(path)
+
+
+_OWN_GROUPS: dict[int, tuple[object, list]] = {}
+
+
+def _own_groups(entries: Sequence[Entry]) -> list[tuple[str, tuple[int, int, int] | None]]:
+    """(path, its own replica group or None) of every replicated entry, where some entry has
+    a group of its own; else empty. Found once per layout (the entries a layout's steps
+    share), not on every step."""
+    bare = bare_entries(entries)
+    found = _OWN_GROUPS.get(id(bare))
+    if found is not None and found[0] is bare:
+        return found[1]
+    own = [(e.path, e.replicas) for e in bare if e.replicated]
+    if all(g is None for _, g in own):
+        own = []
+    if len(_OWN_GROUPS) >= 256:
+        _OWN_GROUPS.clear()
+    _OWN_GROUPS[id(bare)] = (bare, own)
+    return own
 
 
 class TierWorker:
@@ -363,21 +385,37 @@ class TierWorker:
             return True  # the last round's cost, paid back in idle time before the next
         return bool(self.every_seconds) and since < self.every_seconds
 
-    def _primary(self, manifest: Manifest, here: set[int]) -> int | None:
-        """The rank that stores the replicated entries of ``manifest``'s replica group in this
-        tier: the group's first rank in a shared tier, its first rank on this node in a
-        node-local one (every rank here is stored in the same round, before the commit)."""
-        if manifest.replicas is None:
-            return None
-        group = range(*manifest.replicas)
-        if manifest.rank not in group:
-            return None
-        if self.tier.spec.scope is Scope.NODE:
-            return min(r for r in group if r in here or r == manifest.rank)
-        return group[0]
+    def _primary(self, manifest: Manifest, here: set[int]) -> tier_io.Primaries | None:
+        """Which rank stores each replicated entry of ``manifest`` in this tier: its replica
+        group's first rank in a shared tier, the group's first rank on this node in a
+        node-local one (every rank here is stored in the same round, before the commit).
+        One rank for the manifest's group; by entry where entries have groups of their own
+        (Megatron blocks, each replicated across its own ranks)."""
+        first = self._first_of(manifest.rank, here)
+        own = _own_groups(manifest.entries)
+        if not own:
+            return first(manifest.replicas)
+        return {path: r for path, group in own
+                if (r := first(group or manifest.replicas)) is not None}  # fmt: skip
+
+    def _first_of(
+        self, rank: int, here: set[int]
+    ) -> Callable[[tuple[int, int, int] | None], int | None]:
+        node = self.tier.spec.scope is Scope.NODE
+
+        @functools.cache
+        def first(replicas: tuple[int, int, int] | None) -> int | None:
+            if replicas is None:
+                return None
+            group = range(*replicas)
+            if rank not in group:
+                return None
+            return min(r for r in group if r in here or r == rank) if node else group[0]
+
+        return first
 
     async def _persist_snapshot(
-        self, snap: Snapshot, limit: asyncio.Semaphore, primary: int | None
+        self, snap: Snapshot, limit: asyncio.Semaphore, primary: tier_io.Primaries | None
     ) -> int:
         """Store one rank's locked snapshot, straight from the mapping; the bytes written."""
         async with limit:

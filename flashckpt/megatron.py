@@ -22,23 +22,31 @@ Megatron's ``optim_state_to_sharding_state`` gives it; step counts and hyper-par
 stored as they are (one step count where all agree, the usual case, so it fits any
 layout). A fresh optimizer gets its state created before a restore fills it.
 
-Every rank stores every block it holds, replicas included (``replica_id`` other than 0): a
-rank restores from its own node's memory without reading another's, and a restore at
-another layout uses one copy of each block. Not supported (a clear error): blocks that are
+Replicas (the same block on several ranks: data-parallel copies, and the blocks tensor
+parallelism does not split) are found once, at the first save or restore (every rank makes
+it: one gather of each rank's block names and offsets). Each rank still snapshots every block
+it holds into its node's memory, so it restores from there without reading another's; a tier
+stores a replicated block once for its ranks (once per node in a node-local tier), and the
+other ranks' copies point at it, as DDP replicas are stored. The ranks holding one block
+must be evenly spaced (a range), as Megatron's parallel groups are; a block held by ranks
+that are not is stored by each of them. Not supported (a clear error): blocks that are
 slices of a flattened tensor (``flattened_range``, Megatron's ``DistributedOptimizer``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from . import group
 from .errors import FlashCkptError
 from .format.manifest import ShardInfo
 from .restore import optim_state
 from .snapshot.flatten import BLOCK, Sharded
+from .snapshot.replicas import Replicas, as_range
 
 try:
     from megatron.core.dist_checkpointing.mapping import (
@@ -75,9 +83,36 @@ def block_name(st: Any) -> str:
     return f"{st.key}@{'.'.join(map(str, at))}/{'.'.join(map(str, of))}"
 
 
-def to_leaf(st: ShardedTensor) -> Sharded:
+def _identity(st: ShardedTensor) -> int:
+    """A ShardedTensor's block as a number: its key, global offset and local shape, which
+    every rank holding the same block gives alike."""
+    text = f"{st.key}|{tuple(st.global_offset)}|{tuple(st.local_shape)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def replica_groups(sharded: Any) -> dict[int, Replicas]:
+    """The replica group of each block of this rank's ``sharded`` state held by other ranks
+    too, by ``_identity``: the ranks holding it, where they are evenly spaced. Collective:
+    every rank of the job calls it (nothing is gathered outside a process group)."""
+    mine = sorted(
+        {_identity(st) for _, st in _blocks(sharded, "") if isinstance(st, ShardedTensor)}
+    )
+    everyone = group.gather(mine)
+    if len(everyone) < 2:
+        return {}
+    holders: dict[int, list[int]] = {i: [] for i in mine}
+    for rank, theirs in enumerate(everyone):
+        for i in theirs:  # type: ignore[union-attr]
+            if i in holders:
+                holders[i].append(rank)
+    return {i: r for i, ranks in holders.items() if len(ranks) > 1 and (r := as_range(ranks))}
+
+
+def to_leaf(st: ShardedTensor, groups: Mapping[int, Replicas] | None = None,
+            of: ShardedTensor | None = None) -> Sharded:  # fmt: skip
     """The tensor leaf of a ShardedTensor: its data, and where it sits in the global tensor
-    less the prepended axes (one block a layer)."""
+    less the prepended axes (one block a layer); with ``groups``, the replica group of its
+    block (or of ``of``'s: an optimizer state's block is its parameter's)."""
     if st.flattened_range is not None:
         raise FlashCkptError(
             f"{st.key}: a block that is a slice of a flattened tensor (flattened_range, as "
@@ -97,7 +132,7 @@ def to_leaf(st: ShardedTensor) -> Sharded:
         placements=BLOCK,
         mesh_shape=tuple(st.axis_fragmentations[n:]) if st.axis_fragmentations else (),
     )
-    return Sharded(data, info)
+    return Sharded(data, info, groups.get(_identity(of or st)) if groups else None)
 
 
 def _blocks(sharded: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -119,7 +154,9 @@ def _blocks(sharded: Any, where: str) -> Iterator[tuple[str, Any]]:
         yield where, sharded
 
 
-def leaves(sharded: Any, where: str) -> dict[str, Any]:
+def leaves(
+    sharded: Any, where: str, groups: Mapping[int, Replicas] | None = None
+) -> dict[str, Any]:
     """A sharded state dict's tensors as flashckpt's state: every block a ``Sharded`` leaf
     under its ``block_name``, every plain value under its name (objects: ``objects()``);
     ``where`` names it in errors."""
@@ -131,7 +168,7 @@ def leaves(sharded: Any, where: str) -> dict[str, Any]:
                 "names a block by its key and layer, which must be unique on a rank"
             )
         if isinstance(value, ShardedTensor):
-            out[name] = to_leaf(value)
+            out[name] = to_leaf(value, groups)
         elif isinstance(value, ShardedObject):
             continue  # objects() holds them
         elif isinstance(value, ShardedTensorFactory):  # pragma: no cover - applied before
@@ -175,6 +212,15 @@ class MegatronState:
                 f"not {type(optimizer).__name__}; pass the optimizer it wraps (.optimizer)"
             )
         self.optimizer = optimizer
+        self._groups: dict[int, Replicas] | None = None
+
+    @property
+    def groups(self) -> dict[int, Replicas]:
+        """The replica groups of the model's blocks, gathered on first use: the first save or
+        restore, which every rank makes."""
+        if self._groups is None:
+            self._groups = replica_groups(self._model_sharded())
+        return self._groups
 
     # ---- the model ----------------------------------------------------------------------
     def _model_sharded(self) -> dict:
@@ -194,7 +240,10 @@ class MegatronState:
 
     def state_dict(self) -> dict[str, Any]:
         sharded = self._model_sharded()
-        out: dict[str, Any] = {"model": leaves(sharded, "model"), "objects": objects(sharded)}
+        out: dict[str, Any] = {
+            "model": leaves(sharded, "model", self.groups),
+            "objects": objects(sharded),
+        }
         if self.optimizer is not None:
             out["optimizer"] = self._optimizer_dict(sharded)
         return out
@@ -210,9 +259,9 @@ class MegatronState:
         steps = {i: st.pop("step") for i, st in sd["state"].items() if "step" in st}
         optim_state_to_sharding_state(sd, ids)
         state: dict[str, Any] = {}
-        for per_key in sd["state"].values():
+        for i, per_key in sd["state"].items():
             for sharded in per_key.values():
-                state[block_name(sharded)] = to_leaf(sharded)
+                state[block_name(sharded)] = to_leaf(sharded, self.groups, ids[i])
         counts = list(steps.values())
         if counts and all(_same(c, counts[0]) for c in counts):
             step: Any = counts[0]  # one count (the usual case): the same at any layout
@@ -278,7 +327,7 @@ class MegatronState:
                 f"the snapshot's optimizer has {len(groups)} parameter groups, this one "
                 f"{len(opt.param_groups)}; build the optimizer as the saving run did"
             )
-        for group, kept in zip(opt.param_groups, groups, strict=True):
+        for pg, kept in zip(opt.param_groups, groups, strict=True):
             for k, v in kept.items():
                 if k != "params":
-                    group[k] = v
+                    pg[k] = v

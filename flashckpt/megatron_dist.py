@@ -33,7 +33,7 @@ from typing import Any
 from .checkpointer import Checkpointer
 from .errors import FlashCkptError
 from .format import pointer as pointer_file
-from .megatron import leaves
+from .megatron import leaves, replica_groups
 
 try:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -61,6 +61,15 @@ class _Door:
         self.tiers, self.args = tiers, args
         self.ckpt: Checkpointer | None = None
         self.last = -1
+        self.groups: tuple[frozenset, dict] = (frozenset(), {})
+
+    def replica_groups(self, sharded_state_dict: Any) -> dict:
+        """The replica groups of the blocks of ``sharded_state_dict``, gathered again only
+        when the blocks change (every rank's do together: its model and optimizer)."""
+        keys = frozenset(_block_keys(sharded_state_dict))
+        if keys != self.groups[0]:
+            self.groups = (keys, replica_groups(sharded_state_dict))
+        return self.groups[1]
 
     def checkpointer(self, checkpoint_dir: Path) -> Checkpointer:
         if self.ckpt is None:
@@ -71,6 +80,18 @@ class _Door:
     def step_of(self, checkpoint_dir: Path) -> int:
         numbers = re.findall(r"\d+", checkpoint_dir.name)
         return int(numbers[-1]) if numbers else self.last + 1
+
+
+def _block_keys(sharded: Any) -> list[tuple]:
+    found: list[tuple] = []
+
+    def note(v: Any) -> Any:
+        if isinstance(v, ShardedTensor):
+            found.append((v.key, tuple(v.global_offset), tuple(v.local_shape)))
+        return v
+
+    dict_list_map_inplace(note, sharded)
+    return found
 
 
 class FlashSave(SaveShardedStrategy):
@@ -84,7 +105,8 @@ class FlashSave(SaveShardedStrategy):
         where = Path(checkpoint_dir)
         ck = self.door.checkpointer(where)
         step = self.door.step_of(where)
-        ck.save(step, {"megatron": leaves(sharded_state_dict, str(where))})
+        groups = self.door.replica_groups(sharded_state_dict)
+        ck.save(step, {"megatron": leaves(sharded_state_dict, str(where), groups)})
         self.door.last = step
         if int(os.environ.get("LOCAL_RANK", ck.rank)) == 0:  # one writer a node
             where.mkdir(parents=True, exist_ok=True)

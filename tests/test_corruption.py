@@ -243,6 +243,8 @@ MANIFESTS: dict[str, Corrupt] = {
     "kind_unknown": entry(0, kind="sparse"),
     "first_chunk_off": entry(1, first_chunk=99),
     "shard_malformed": entry(0, shard={"global_shape": "x"}),
+    "replicas_malformed": entry(0, replicated=True, replicas=[2, 1, 1]),
+    "replicas_unreplicated": entry(0, replicas=[0, 2, 1]),
     "tree_names_no_entry": add_node({"t": "tensor", "i": 99}),
     "tree_wrong_kind": add_node({"t": "pickle", "i": 0}),
     "tree_unknown_tag": add_node({"t": "frobnicate"}),

@@ -50,6 +50,27 @@ def assembled(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def stored_once(tier, ranks: int) -> dict[int, int]:
+    """Checks that the tier stores each replicated block once: a rank's entry that another
+    rank stores (``stored_at``) points into the entry's replica group, at a rank that stores
+    the same block itself. Returns how many blocks each rank stores for the others."""
+    [step] = (tier / "mcore").glob("step-*")
+    docs = [json.loads((step / f"rank-{r}" / "manifest.json").read_text()) for r in range(ranks)]
+    own = [{e["path"]: e for e in d["entries"] if "stored_at" not in e} for d in docs]
+    serves = dict.fromkeys(range(ranks), 0)
+    for r, doc in enumerate(docs):
+        for e in doc["entries"]:
+            if "replicas" in e:
+                assert e["replicated"] and r in range(*e["replicas"]), e
+            if "stored_at" in e:
+                at = e["stored_at"]
+                assert at != r and at in range(*e["replicas"]), e
+                there = own[at][e["path"]]
+                assert there["shard"] == e["shard"] and there["replicas"] == e["replicas"]
+                serves[at] += 1
+    return serves
+
+
 @pytest.fixture
 def env(shm_dir, run_dir, tmp_path) -> dict:
     return {**os.environ, "FLASHCKPT_JOB": "mcore", "MEGATRON_TIER": str(tmp_path / "tier")}
@@ -59,9 +80,10 @@ def env(shm_dir, run_dir, tmp_path) -> dict:
 @pytest.mark.parametrize(
     ("saved_at", "restored_at"),
     [((2, 1, 2), (1, 1, 2)), ((1, 1, 2), (2, 1, 2)), ((2, 1, 2), (1, 1, 1)),
-     ((2, 1, 2), (2, 1, 2)), ((1, 2, 2), (1, 1, 2)), ((1, 1, 2), (1, 2, 2))],
+     ((2, 1, 2), (2, 1, 2)), ((1, 1, 2), (1, 1, 2)), ((1, 2, 2), (1, 1, 2)),
+     ((1, 1, 2), (1, 2, 2))],
     ids=["tp2-to-tp1-dp2", "tp1-dp2-to-tp2", "tp2-to-one-rank", "same-layout",
-         "pp2-to-pp1-dp2", "pp1-dp2-to-pp2"],
+         "same-layout-dp2", "pp2-to-pp1-dp2", "pp1-dp2-to-pp2"],
 )  # fmt: skip
 def test_a_restore_at_another_parallel_layout_assembles_the_same_tensors(
     env, tmp_path, saved_at, restored_at
@@ -69,15 +91,24 @@ def test_a_restore_at_another_parallel_layout_assembles_the_same_tensors(
     """(TP, PP, ranks) saved, then restored into a model and fresh AdamW built from another
     seed: every model block and AdamW moment, assembled whole, equals the saved one; the
     step counts and the learning rate come back too. Across pipeline sizes a rank restores
-    layers its own snapshot does not hold, from the old ranks' that do."""
+    layers its own snapshot does not hold, from the old ranks' that do. The tier stores
+    each replicated block once: at data-parallel size 2 (TP 1, PP 1) rank 1 stores none of
+    its blocks, at TP 2 only the blocks tensor parallelism does not split are shared, and
+    across pipeline stages nothing is; the restore reads them from the rank that stores
+    them."""
     (tp, pp, ranks), (tp2, pp2, ranks2) = saved_at, restored_at
     saved = run("save", tp, ranks, tmp_path / "saved", env, pp)
     assert all(r["steps"] == {1} for r in saved)  # saving leaves the optimizer as it was
+    serves = stored_once(tmp_path / "tier", ranks)
+    blocks = len(saved[1]["blocks"])
+    assert serves[1] == 0 and (serves[0] == blocks if tp == pp == 1 else 0 < serves[0] < blocks
+                               if tp == 2 else serves[0] == 0), (serves, blocks)  # fmt: skip
     loaded = run("restore", tp2, ranks2, tmp_path / "loaded", env, pp2)
     want, got = assembled(saved), assembled(loaded)
     assert want.keys() == got.keys(), [
         (r.get("source"), r["step"], len(r["blocks"])) for r in loaded
     ]
+    assert all(r["source"].startswith("file://") for r in loaded), loaded  # read from the tier
     assert any(k.startswith("optimizer.state.exp_avg.") for k in want)  # the moments too
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert all(r["step"] == 1 and r["steps"] == {1} and r["lr"] == 1e-2 for r in loaded)

@@ -21,9 +21,11 @@ from .kept import Kept
 from .lineage import Lineage
 from .sealed import SealedEntries, bare_entries
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version 2 added replicated entries (``replicated``, ``stored_at``, ``replicas``), version 3
-the job's ``incarnation``; older manifests are read as ones without them (incarnation 0)."""
+the job's ``incarnation``, version 4 an entry's own replica group (``replicas`` on an entry:
+a Megatron block replicated across its own ranks); older manifests are read as ones without
+them (incarnation 0)."""
 DEFAULT_CHUNK_SIZE = 4 * 2**20
 
 # Every dtype torch can hand us, by its short name ("float32", "float8_e4m3fn", ...).
@@ -73,6 +75,7 @@ class Entry:
     device: str = "cpu"
     replicated: bool = False  # the same bytes on every rank of the manifest's ``replicas``
     stored_at: int | None = None  # a stored copy: the bytes are in this rank's data instead
+    replicas: tuple[int, int, int] | None = None  # its own replica group, else the manifest's
 
     def n_chunks(self, chunk_size: int) -> int:
         return -(-self.nbytes // chunk_size)
@@ -84,6 +87,8 @@ class Entry:
             del doc["replicated"]
         if self.stored_at is None:
             del doc["stored_at"]
+        if self.replicas is None:
+            del doc["replicas"]
         if self.shard is not None:
             doc["shard"] = {f.name: getattr(self.shard, f.name) for f in fields(self.shard)}
         return doc
@@ -352,7 +357,7 @@ _OPTIONAL = {
 }  # fmt: skip
 _BLANK = Entry("", "tensor", "uint8", (), 0, 0, 0)  # every field is set by ``but``
 _ENTRY_REQUIRED = {"path", "kind", "dtype", "shape", "offset", "nbytes", "first_chunk"}
-_ENTRY_OPTIONAL = {"checksums", "shard", "device", "replicated", "stored_at"}
+_ENTRY_OPTIONAL = {"checksums", "shard", "device", "replicated", "stored_at", "replicas"}
 _SHARD_FIELDS = {"global_shape", "global_offset", "placements", "mesh_shape"}
 _CONTAINERS = ("dict", "list", "tuple", "stateful")
 _SCALAR_TAGS = ("float", "dtype", "device", "bytes")
@@ -474,13 +479,13 @@ class _Checker:
             entries.append(entry)
         return tuple(entries)
 
-    def replicas(self, doc: Any) -> tuple[int, int, int] | None:
+    def replicas(self, doc: Any, what: str = "") -> tuple[int, int, int] | None:
         if doc is None:
             return None
         if not (isinstance(doc, list) and len(doc) == 3 and all(_is_int(v) for v in doc)
                 and 0 <= doc[0] < doc[1] <= 2**31 and doc[2] >= 1):  # fmt: skip
             raise self.fail(
-                f"replicas must be [start, stop, step] of a range of ranks, found {_show(doc)}"
+                f"{what}{': ' if what else ''}replicas must be [start, stop, step] of a range of ranks, found {_show(doc)}"
             )
         return (doc[0], doc[1], doc[2])
 
@@ -558,11 +563,16 @@ class _Checker:
         device = doc.get("device", "cpu")
         if not isinstance(device, str):
             raise self.fail(f"{what}: device must be a string, found {_show(device)}")
+        group = doc.get("replicas")
+        if group is not None:
+            group = self.replicas(group, what)
+            if not replicated:
+                raise self.fail(f"{what}: replicas names a replica group, but replicated is false")
         return _BLANK.but(
             path=path, kind=kind, dtype=name, shape=shape, offset=offset, nbytes=nbytes,
             first_chunk=first_chunk, checksums=None if sums is None else tuple(sums),
             shard=self.shard(doc.get("shard"), what, len(shape)), device=device,
-            replicated=replicated, stored_at=stored_at,
+            replicated=replicated, stored_at=stored_at, replicas=group,
         )  # fmt: skip
 
     def shard(self, doc: Any, what: str, ndim: int) -> ShardInfo | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,17 +35,33 @@ def _chunks(data: memoryview, size: int = WRITE_CHUNK) -> Iterator[memoryview]:
         yield data[start : start + size]
 
 
+Primaries = int | Mapping[str, int]
+"""Where a rank's replicated entries are stored in a tier: one rank for all of them (the
+manifest's replica group), or a rank by entry path (entries with their own groups)."""
+
+
+def _stored_at(primary: Primaries, rank: int) -> Callable[[Entry], int | None]:
+    """The rank storing each entry for ``rank``, None where ``rank`` stores it itself."""
+    if isinstance(primary, int):
+        at = None if primary == rank else primary
+        return lambda e: at if e.replicated else None
+    return lambda e: at if e.replicated and (at := primary.get(e.path, rank)) != rank else None
+
+
 def without_replicas(
-    manifest: Manifest, data: memoryview, primary: int
+    manifest: Manifest, data: memoryview, primary: Primaries
 ) -> tuple[Manifest, memoryview]:
-    """The copy of a rank's shard to store when rank ``primary`` stores its replicated entries:
-    those point at ``primary`` (``stored_at``), the rest are packed into new data."""
-    kept = [e for e in manifest.entries if not e.replicated]
-    packed = bytearray(sum(align(e.nbytes) for e in kept))
+    """The copy of a rank's shard to store when other ranks (``primary``) store some of its
+    replicated entries: those point at their rank (``stored_at``), the rest are packed into
+    new data."""
+    where = _stored_at(primary, manifest.rank)
+    elsewhere = [where(e) for e in manifest.entries]
+    packed = bytearray(sum(align(e.nbytes) for e, r in zip(manifest.entries, elsewhere,
+                                                           strict=True) if r is None))  # fmt: skip
     entries, at = [], 0
-    for e in manifest.entries:
-        if e.replicated:
-            entries.append(replace(e, offset=0, stored_at=primary))
+    for e, r in zip(manifest.entries, elsewhere, strict=True):
+        if r is not None:
+            entries.append(replace(e, offset=0, stored_at=r))
             continue
         packed[at : at + e.nbytes] = data[e.offset : e.offset + e.nbytes]
         entries.append(replace(e, offset=at))
@@ -53,10 +69,12 @@ def without_replicas(
     return replace(manifest, entries=tuple(entries), data_len=len(packed)), memoryview(packed)
 
 
-async def write_rank(tier, manifest: Manifest, data: memoryview, primary: int | None = None) -> int:
+async def write_rank(
+    tier, manifest: Manifest, data: memoryview, primary: Primaries | None = None
+) -> int:
     """Put one rank's data, then its manifest (which commits the rank). With ``primary``
-    (another rank of the manifest's replica group, which stores the replicated entries in
-    this tier), only the rank's own entries are put. Returns bytes written."""
+    (the other ranks of its replica groups that store replicated entries in this tier), only
+    what the rank stores itself is put. Returns bytes written."""
     job, step, rank, gen = manifest.job, manifest.step, manifest.rank, manifest.generation
     if not manifest.sealed:
         raise ManifestError(

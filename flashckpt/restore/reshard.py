@@ -149,9 +149,11 @@ def _overlap(e: Entry, want: Want) -> tuple[list[int], list[int]] | None:
 
 
 def _usable(e: Entry | None, want: Want) -> bool:
+    """Whether ``e`` is a shard of ``want``'s tensor whose bytes its rank stores (a replica
+    stored once is read from the rank that stores it, whose entry is another of these)."""
     return (
         e is not None and e.shard is not None and tuple(e.shard.global_shape) == want.global_shape
-        and e.dtype == want.dtype
+        and e.dtype == want.dtype and e.stored_at is None
     )  # fmt: skip
 
 

@@ -28,7 +28,9 @@ from .entry_copy import Source
 from .into_state import Producer, finish_stateful
 
 _IS_CPU = operator.attrgetter("is_cpu")
-_KEY = operator.attrgetter("path", "kind", "dtype", "shape", "shard", "replicated", "stored_at")
+_KEY = operator.attrgetter(
+    "path", "kind", "dtype", "shape", "shard", "replicated", "stored_at", "replicas"
+)
 _last: tuple = (None, None, [], False)  # the last layout compared: its runtime, keys, host
 _matched: tuple = (None, None)  # keys and entries found equal last (held: ids stay theirs)
 

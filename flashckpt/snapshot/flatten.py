@@ -56,6 +56,7 @@ class Leaf:
     tensor: torch.Tensor
     shard: ShardInfo | None = None
     replicated: bool = False  # the same bytes on every rank of the job's replica group
+    replicas: tuple[int, int, int] | None = None  # its own replica group (``Sharded``'s)
 
 
 BLOCK = ("block",)
@@ -72,6 +73,9 @@ class Sharded:
 
     local: torch.Tensor
     shard: ShardInfo
+    replicas: tuple[int, int, int] | None = None
+    """range(start, stop, step) of the ranks holding the same bytes of this block (this one
+    included), where there are others: a tier stores the block once for them all."""
 
 
 def is_shard_leaf(value: object) -> bool:
@@ -159,6 +163,11 @@ class Flattener:
         container = isinstance(value, (Mapping, list, tuple)) or is_stateful(value)
         if container and depth >= MAX_TREE_DEPTH:  # a restore would refuse it: fail now
             _too_deep(path)
+        if cls is Sharded and value.replicas is not None:
+            source, shard = tensor_source(value, path)
+            out = self._leaf("tensor", path, source, shard)
+            self.leaves[-1].replicated, self.leaves[-1].replicas = True, value.replicas
+            return out
         if isinstance(value, torch.Tensor) or cls is Sharded:
             source, shard = tensor_source(value, path)
             return self._leaf("tensor", path, source, shard)
@@ -244,7 +253,9 @@ def flatten(
             items.append([f.key(key, ""), f.node(value, join("", key), 1)])
             if key in replicated:
                 for leaf in f.leaves[first:]:
-                    leaf.replicated = leaf.kind == "tensor" and leaf.shard is None
+                    leaf.replicated = leaf.replicas is not None or (
+                        leaf.kind == "tensor" and leaf.shard is None
+                    )
     return {"t": "dict", "items": items}, f.leaves
 
 
@@ -273,7 +284,7 @@ class Layout:
     replicated: bool = False  # some entry is the same on every rank of the replica group
 
 
-_PATH_KIND = operator.attrgetter("path", "kind", "shard", "replicated")
+_PATH_KIND = operator.attrgetter("path", "kind", "shard", "replicated", "replicas")
 _META = operator.attrgetter("dtype", "shape", "device")
 
 
@@ -303,7 +314,7 @@ def plan_layout(leaves: list[Leaf], chunk_size: int, cached: Layout | None = Non
         entry = Entry(
             path=lf.path, kind=lf.kind, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
             offset=offset, nbytes=nbytes, first_chunk=chunk, shard=lf.shard, device=t.device.type,
-            replicated=lf.replicated,
+            replicated=lf.replicated, replicas=lf.replicas,
         )  # fmt: skip
         entries.append(entry)
         chunk += entry.n_chunks(chunk_size)

@@ -30,7 +30,7 @@ Replicas = tuple[int, int, int]
 """range(start, stop, step) of the ranks holding the same replicated entries."""
 
 
-def _as_range(ranks: list[int]) -> Replicas | None:
+def as_range(ranks: list[int]) -> Replicas | None:
     """``ranks`` as a range, or None if they are not evenly spaced."""
     if len(ranks) < 2:
         return (ranks[0], ranks[0] + 1, 1) if ranks else None
@@ -61,7 +61,7 @@ def find(state: Mapping[str, Any]) -> tuple[frozenset[str], Replicas | None]:
     if len(groups) != 1:
         log.info("DDP modules of different process groups: every rank stores its own copy")
         return frozenset(), None
-    replicas = _as_range(list(groups.pop()))
+    replicas = as_range(list(groups.pop()))
     if replicas is None:
         return frozenset(), None
     params = {id(p) for m in modules.values() for p in m.parameters()}

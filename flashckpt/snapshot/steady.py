@@ -34,6 +34,7 @@ from .flatten import (
     _PLAIN_SET,
     Layout,
     Leaf,
+    Sharded,
     flatten,
     is_shard_leaf,
     is_stateful,
@@ -85,7 +86,7 @@ def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, ...
         if is_shard_leaf(value):
             local, shard = _tensor_source(value, path)
             tensors.append(local)
-            shards.append(shard)
+            shards.append((shard, value.replicas) if type(value) is Sharded else shard)
             return ("D", path)
         raise Unfit(path)
     if tag in ("ndarray", "pickle"):
@@ -170,7 +171,7 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list,
             raise Unfit
         local, shard = _tensor_source(value, op[1])
         tensors.append(local)
-        shards.append(shard)
+        shards.append((shard, value.replicas) if type(value) is Sharded else shard)
 
 
 def _same_mapping(op: tuple, value: Any) -> list:
