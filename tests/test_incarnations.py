@@ -86,7 +86,7 @@ def test_each_restore_starts_a_newer_run_and_a_shard_of_an_earlier_run_is_a_corr
 def test_a_manifest_and_a_marker_written_before_runs_were_numbered_read_as_run_0(tmp_path):
     m = Manifest("old", 0, 5, {"t": "dict", "items": []}, (), 0, world_size=1)
     doc = json.loads(m.to_json())
-    assert doc["incarnation"] == 0 and doc["format_version"] == 3
+    assert doc["incarnation"] == 0 and doc["format_version"] == 4
     del doc["incarnation"]
     doc["format_version"] = 2
     assert Manifest.from_json(json.dumps(doc).encode()).incarnation == 0
