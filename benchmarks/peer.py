@@ -17,7 +17,9 @@ as ``flashckpt-run`` sets for a job of several nodes). Node 1 is one rank saving
   at scale), and node 1 is lost right after its last save (no close, no wait for any tier);
   wiped, the step a restore finds with the replica and with the storage tier only
   (``FLASHCKPT_PEER_REPLICAS=0``). The replica trails by the steps saved while its last round
-  and the rest after it ran (``duty``).
+  and the rest after it ran (``duty``): a few seconds of saving, which is why the default
+  run is 60 steps long. A node lost in the first rounds (the first save also goes to
+  storage, which slows the replica's first round) may find only step 0 in the replica.
 
 The RESULT line holds the ratios the targets speak of.
 """
@@ -258,7 +260,7 @@ def wipe(base: Path, n: int) -> None:
 def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mib", type=float, default=256.0)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=23)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=1000)
     p.add_argument("--step-ms", type=float, default=200.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
