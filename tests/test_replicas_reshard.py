@@ -105,6 +105,41 @@ def test_a_node_local_copy_is_complete_without_a_primary(url):
     assert all("stored_at" not in e for e in stored["entries"])
 
 
+def test_entries_with_groups_of_their_own_are_stored_by_each_groups_rank(url):
+    """Megatron's shape: each entry replicated across its own ranks. Of four ranks, "a" is
+    held by ranks 0 and 2, "b" by all four; ``primary`` names the rank storing each entry,
+    and each rank's data holds only what it stores itself (rank 0, storing all of its own,
+    is stored whole). Every rank reads all of its entries back."""
+
+    def leaves(r: int) -> list[Leaf]:
+        a = Leaf("a", "tensor", FULL[:5].clone() + r % 2, replicated=True, replicas=(r % 2, 4, 2))
+        b = Leaf("b", "tensor", FULL[5:].clone(), replicated=True, replicas=(0, 4, 1))
+        return [a, b, Leaf("own", "tensor", torch.full((5,), r, dtype=torch.uint8))]
+
+    ranks = [manifest_of(r, leaves(r), 4) for r in range(4)]
+    stores = [{"a": 0, "b": 0}, {"a": 1, "b": 0}, {"a": 0, "b": 0}, {"a": 1, "b": 0}]
+
+    async def go(tier):
+        for (m, d), where in zip(ranks, stores, strict=True):
+            await tier_io.write_rank(tier, m, memoryview(d), primary=where)
+        docs = [json.loads(await tier.get(layout.manifest_key(JOB, STEP, r))) for r in range(4)]
+        return docs, [await tier_io.read_rank(tier, JOB, STEP, r) for r in range(4)]
+
+    docs, back = run_with_tier(url, go)
+    assert [{e["path"]: e.get("stored_at") for e in d["entries"]} for d in docs] == [
+        {"a": None, "b": None, "own": None}, {"a": None, "b": 0, "own": None},
+        {"a": 0, "b": 0, "own": None}, {"a": 1, "b": 0, "own": None},
+    ]  # fmt: skip
+    assert docs[0]["data_len"] == len(ranks[0][1])  # nothing of rank 0's points away
+    for r, (m, data) in enumerate(back):
+        assert [e.stored_at for e in m.entries] == [None] * 3
+        saved, original = {e.path: e for e in ranks[r][0].entries}, ranks[r][1]
+        raw = bytes(data.numpy()) if isinstance(data, torch.Tensor) else bytes(data)
+        for e in m.entries:
+            o = saved[e.path]
+            assert raw[e.offset : e.offset + e.nbytes] == original[o.offset : o.offset + o.nbytes]
+
+
 def test_a_bad_or_missing_primary_copy_is_a_corrupt_copy(tmp_path):
     url = f"file://{tmp_path / 'tier'}"
     ranks = ddp_ranks(2)

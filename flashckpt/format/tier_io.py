@@ -80,8 +80,10 @@ async def write_rank(
         raise ManifestError(
             f"step {step} rank {rank}: a manifest must carry its checksums before it is stored"
         )
-    if primary is not None and primary != rank and any(e.replicated for e in manifest.entries):
-        manifest, data = without_replicas(manifest, data, primary)
+    if primary is not None and primary != rank:
+        where = _stored_at(primary, rank)
+        if any(where(e) is not None for e in manifest.entries):  # else: all of it is its own
+            manifest, data = without_replicas(manifest, data, primary)
     await tier.put(layout.data_key(job, step, rank, gen), list(_chunks(data)), len(data))
     raw = manifest.to_json()
     await tier.put(layout.manifest_key(job, step, rank, gen), [memoryview(raw)], len(raw))
