@@ -79,11 +79,12 @@ class Node:
 
 
 def short_of_world(nodes: dict[str, Node]) -> bool:
-    """Whether workers of the job run while some of its ranks were never reported by any
-    node: they run on a node whose agent has not reported them yet."""
-    world = max((n.world_size for n in nodes.values()), default=0)
+    """Whether workers of the job run while some ranks of their world were never reported
+    by any node: they run on a node whose agent has not reported them yet. The world is the
+    running nodes' (a node lost in an earlier, larger round does not count)."""
+    world = max((n.world_size for n in nodes.values() if n.running()), default=0)
     ranks = {s.worker.rank for n in nodes.values() for s in n.workers.values()}
-    return len(ranks) < world and any(n.running() for n in nodes.values())
+    return len({r for r in ranks if r < world}) < world
 
 
 @dataclass

@@ -115,7 +115,8 @@ def test_a_node_lost_before_it_reported_its_workers_is_lost_while_the_round_lack
 ):
     """Node b's agent reported once, before its workers started; its ranks joined the round
     (a's started with them) and b went silent: b is lost, and a's round is killed although it
-    started after b's last report. A silent spare, in a round short of nothing, is not."""
+    started after b's last report. A silent spare, in a round short of nothing, is not, nor
+    is a node that last reported a larger world."""
     c = Controller(events, node_timeout=3, heartbeat=1)
     c.report(report("a", []), now=100)
     c.report(report("b", []), now=100)
@@ -129,6 +130,7 @@ def test_a_node_lost_before_it_reported_its_workers_is_lost_while_the_round_lack
 
     c2 = Controller(None, node_timeout=3, heartbeat=1)
     c2.report(report("spare", []), now=100)
+    c2.report(report("gone", [], world=8), now=100)  # of a larger world: not this round's
     for t in (100, 102, 103.5):
         c2.report(report("a", [worker(0, 100, t - 99), worker(1, 101, t - 99)], world=4), now=t)
         c2.report(report("b", [worker(2, 200, t - 99), worker(3, 201, t - 99)], world=4), now=t)

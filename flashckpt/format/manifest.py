@@ -484,8 +484,10 @@ class _Checker:
             return None
         if not (isinstance(doc, list) and len(doc) == 3 and all(_is_int(v) for v in doc)
                 and 0 <= doc[0] < doc[1] <= 2**31 and doc[2] >= 1):  # fmt: skip
+            where = f"{what}: " if what else ""
             raise self.fail(
-                f"{what}{': ' if what else ''}replicas must be [start, stop, step] of a range of ranks, found {_show(doc)}"
+                f"{where}replicas must be [start, stop, step] of a range of ranks, "
+                f"found {_show(doc)}"
             )
         return (doc[0], doc[1], doc[2])
 
