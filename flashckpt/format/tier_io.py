@@ -53,9 +53,11 @@ def without_replicas(
 ) -> tuple[Manifest, memoryview]:
     """The copy of a rank's shard to store when other ranks (``primary``) store some of its
     replicated entries: those point at their rank (``stored_at``), the rest are packed into
-    new data."""
+    new data. Where the rank stores every entry itself, its shard as it is."""
     where = _stored_at(primary, manifest.rank)
     elsewhere = [where(e) for e in manifest.entries]
+    if all(r is None for r in elsewhere):
+        return manifest, data
     packed = bytearray(sum(align(e.nbytes) for e, r in zip(manifest.entries, elsewhere,
                                                            strict=True) if r is None))  # fmt: skip
     entries, at = [], 0
@@ -81,9 +83,7 @@ async def write_rank(
             f"step {step} rank {rank}: a manifest must carry its checksums before it is stored"
         )
     if primary is not None and primary != rank:
-        where = _stored_at(primary, rank)
-        if any(where(e) is not None for e in manifest.entries):  # else: all of it is its own
-            manifest, data = without_replicas(manifest, data, primary)
+        manifest, data = without_replicas(manifest, data, primary)
     await tier.put(layout.data_key(job, step, rank, gen), list(_chunks(data)), len(data))
     raw = manifest.to_json()
     await tier.put(layout.manifest_key(job, step, rank, gen), [memoryview(raw)], len(raw))

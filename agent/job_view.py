@@ -1,0 +1,59 @@
+"""What the controller knows of a job, all of it from its agents' reports: each node's
+workers (their start times on the controller's clock), tiers and replicas, whether it is
+lost, and the workers it was ordered to kill; and the job's detections and global commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashckpt.proto import controller_pb2 as pb
+
+from .commits import Coverage
+
+
+@dataclass
+class Seen:
+    """A worker as last reported, its start time on the controller's clock."""
+
+    worker: pb.Worker
+    started: float
+
+
+@dataclass
+class Node:
+    agent_id: str
+    last_seen: float
+    workers: dict[int, Seen] = field(default_factory=dict)  # pid -> worker
+    tiers: list[str] = field(default_factory=list)  # the tiers it reported, by URL
+    ranks: frozenset[int] = frozenset()
+    world_size: int = 0
+    lost: bool = False
+    kill: set[int] = field(default_factory=set)  # pids ordered killed, not yet gone
+    handled: set[int] = field(default_factory=set)  # pids of failures already seen
+    peer_address: str = ""  # where its agent holds other nodes' replicas
+    failure_domain: str = ""
+    replicas: list = field(default_factory=list)  # pb.Replica it holds
+    ran: bool = False  # this agent has reported a running worker
+
+    def running(self) -> bool:
+        return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
+
+
+def short_of_world(nodes: dict[str, Node]) -> bool:
+    """Whether workers of the job run while some ranks of their world were never reported
+    by any node: they run on a node whose agent has not reported them yet. The world is the
+    running nodes' (a node lost in an earlier, larger round does not count)."""
+    world = max((n.world_size for n in nodes.values() if n.running()), default=0)
+    ranks = {s.worker.rank for n in nodes.values() for s in n.workers.values()}
+    return len({r for r in ranks if r < world}) < world
+
+
+@dataclass
+class JobState:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    # Workers that started before this failed with the round it ended: their deaths are its
+    # consequences (killed by us, by the launcher, or by a broken collective), not new failures.
+    round_failed_at: float = float("-inf")
+    detections: list[tuple[float, pb.Detection]] = field(default_factory=list)
+    commits: dict[str, tuple[int, int]] = field(default_factory=dict)  # url -> (gen, step)
+    coverage: dict[str, Coverage] = field(default_factory=dict)  # url -> what nodes hold
