@@ -487,6 +487,10 @@ class Checkpointer:
         sources += [TierSource(url, self.job, self.rank, self.verify, together=True)
                     for url in self.tiers]  # fmt: skip
         got = restore_agreed(state, sources, step, allow, opts, self.job)
+        for name, when, why in got.skipped:
+            if self._events is not None:
+                self._events.record("restore_source_skipped", rank=self.rank, source=name,
+                                    at=when, why=why)  # fmt: skip
         if got.source is not None:
             log.info("restored step %d of rank %d from %s", got.step, self.rank, got.source)
             self._restored_from = got.source

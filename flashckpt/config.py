@@ -273,6 +273,17 @@ def peer_urls(k: int) -> list[str]:
     return [f"peer://auto?hop={h}&keep_last=1&duty={PEER_DUTY}" for h in range(1, k + 1)]
 
 
+LIST_RETRY_S = 10.0
+"""How long a restore keeps trying a required tier whose listing fails with an error that
+may pass (a connection, a timeout, throttling), by default."""
+
+
+def list_retry_s() -> float:
+    """``FLASHCKPT_LIST_RETRY_S``: the budget for retrying a required tier's listing at a
+    restore (waits of 0.5, 1, 2, 4 s), after which the restore fails saying why."""
+    return setting_float("list_retry_s", None, LIST_RETRY_S, lo=0.0, hi=3600.0)
+
+
 def local_world_size() -> int:
     """Ranks of this job on this node as the launcher says (torchrun: LOCAL_WORLD_SIZE); 0 if unknown."""
     try:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from flashckpt.errors import ConfigError
 
@@ -72,6 +73,10 @@ class Tier(abc.ABC):
     """Async object store over one root. Keys use ``/`` and never start with it."""
 
     spec: TierSpec
+    optional: ClassVar[bool] = False
+    """Whether a restore goes on without this tier when it cannot be listed: True for a tier
+    that can only add a newer copy of what the required tiers and memory hold (another
+    node's memory); a required tier that cannot be listed stops the restore."""
 
     @property
     def scope(self) -> Scope:

@@ -36,8 +36,11 @@ from .registry import option
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0
-IO_TIMEOUT_S = 60.0  # one socket call; a transfer of any size may take longer in all
+PEER_TIMEOUT_S = 3.0
+"""How long a restore waits for a holder (``FLASHCKPT_PEER_TIMEOUT``): the controller's
+answer, the connect, each reply, and any pause in the bytes of a transfer. A replica is
+optional: a holder slower than this is skipped, and the restore goes on from the tiers."""
+IO_TIMEOUT_S = 60.0  # one socket call of a sender's upload; a transfer may take longer in all
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
 _RESOLVED: dict[tuple, tuple[float, PeerNode]] = {}  # (job, run dir, node, ...) -> holder
 
@@ -68,10 +71,27 @@ def holder(nodes: list[PeerNode], me: str, hop: int, my_domain: str = "") -> Pee
     return after[hop - 1]
 
 
+def peer_timeout() -> float:
+    """``FLASHCKPT_PEER_TIMEOUT`` seconds, default PEER_TIMEOUT_S (see there)."""
+    return config.setting_float("peer_timeout", None, PEER_TIMEOUT_S, lo=0.1, hi=600.0)
+
+
+class NoHolder(TierUnavailableError):
+    """No node can hold this node's replica now. ``reported``: some node still reports
+    holding one of this node's replicas (it may be one that cannot be reached)."""
+
+    def __init__(self, message: str, reported: bool):
+        super().__init__(message)
+        self.reported = reported
+
+
+def _nodes(reply: Any) -> list[PeerNode]:
+    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
+
+
 async def list_nodes(job: str, run_dir: Any = None) -> list[PeerNode]:
     """The job's nodes as its controller knows them; TierUnavailableError without one."""
-    reply = await _job_status(job, run_dir)
-    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
+    return _nodes(await _job_status(job, run_dir))
 
 
 async def replicas_of(
@@ -100,7 +120,7 @@ async def _job_status(job: str, run_dir: Any) -> Any:
     try:
         async with endpoint.channel() as channel:
             reply = await pb_grpc.ControllerStub(channel).JobStatus(
-                pb.JobStatusRequest(job=job), metadata=endpoint.metadata(), timeout=10
+                pb.JobStatusRequest(job=job), metadata=endpoint.metadata(), timeout=peer_timeout()
             )
     except Exception as exc:  # grpc.aio.AioRpcError and transport errors alike
         raise TierUnavailableError(
@@ -112,6 +132,8 @@ async def _job_status(job: str, run_dir: Any) -> Any:
 
 class PeerTier(Tier):
     """The memory of the node that holds this node's replica (see the module doc)."""
+
+    optional = True  # it only adds a newer copy of this node's steps: a restore goes on without
 
     def __init__(self, spec: TierSpec):
         self.spec = spec
@@ -134,16 +156,19 @@ class PeerTier(Tier):
         if held is not None and now - held[0] < RESOLVE_TTL_S:
             self.peer = held[1]
             return held[1]
-        nodes = await list_nodes(job)
+        reply = await _job_status(job, None)
+        nodes = _nodes(reply)
         _, _, me, domain, _, _ = key
         if self.named:
             found = next((n for n in nodes if n.name == self.named and n.address), None)
         else:
             found = holder(nodes, me, self.hop, domain)
         if found is None:
-            raise TierUnavailableError(
+            reported = any(r.source == me for n in reply.nodes for r in n.replicas)
+            raise NoHolder(
                 f"peer replicas of job {job!r}: no node can hold node {me}'s replica "
-                f"({self._wanted()}; the controller lists {sorted(n.name for n in nodes)})"
+                f"({self._wanted()}; the controller lists {sorted(n.name for n in nodes)})",
+                reported,
             )
         _RESOLVED[key] = (now, found)
         self.peer = found
@@ -160,15 +185,16 @@ class PeerTier(Tier):
     def _connect(self, peer: PeerNode, job: str, token: str) -> Iterator[socket.socket]:
         from flashckpt.faults.control import split_address
 
+        wait = peer_timeout()  # the connect, the TLS handshake, the hello and every reply
         try:
             host, port = split_address(peer.address, f"peer {peer.name}'s address")
-            sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+            sock = socket.create_connection((host, port), timeout=wait)
         except (OSError, ConfigError) as exc:
             raise TierUnavailableError(
                 f"peer {peer.name} at {peer.address} cannot be reached: {exc}"
             ) from None
         try:
-            sock.settimeout(IO_TIMEOUT_S)
+            sock.settimeout(wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             contexts = wire.tls_contexts()
             if contexts is not None:
@@ -176,6 +202,11 @@ class PeerTier(Tier):
             _send(sock, {"op": "hello", "job": job, "token": token, "node": config.node_name()})
             _reply(sock, f"peer {peer.name}")
             yield sock
+        except TimeoutError:
+            raise TierUnavailableError(
+                f"peer {peer.name} at {peer.address} stopped answering: nothing came within "
+                f"{sock.gettimeout():g} s (FLASHCKPT_PEER_TIMEOUT for restores)"
+            ) from None
         finally:
             sock.close()
 
@@ -226,7 +257,14 @@ class PeerTier(Tier):
         check_key(prefix, prefix=True)
         if not prefix:
             raise ConfigError(f"tier {self.spec.url} lists one job's keys: give 'job/'")
-        return await self._call(prefix, _list, prefix)
+        try:
+            return await self._call(prefix, _list, prefix)
+        except NoHolder as exc:
+            if exc.reported:
+                raise
+            # No node can hold a replica of this node and none reports holding one (a job of
+            # one node, or one whose other nodes have not reported yet): there is none.
+            return []
 
     async def delete(self, prefix: str) -> None:
         check_key(prefix, prefix=True)
@@ -274,6 +312,7 @@ def _reply(sock: socket.socket, where: str) -> dict:
 def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int) -> None:
     _send(sock, {"op": "put", "key": key, "size": size})
     _reply(sock, f"peer {peer.name}")  # room made: send
+    sock.settimeout(IO_TIMEOUT_S)  # a large upload's sendall is one socket call
     sent = 0
     for view in views:
         flat = memoryview(view).cast("B")

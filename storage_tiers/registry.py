@@ -412,6 +412,13 @@ def open_tier(url: str, storage_options: dict | None = None, **options: object) 
     return cls(spec)
 
 
+def tier_class(url: str) -> type[Tier]:
+    """The class ``open_tier(url)`` builds, imported but not made (class-level facts, such
+    as whether the tier is ``optional`` to a restore)."""
+    scheme = parse_spec(url).scheme
+    return _load(scheme, _entry(scheme))
+
+
 def _fsspec_knows(scheme: str) -> bool:
     try:
         import fsspec

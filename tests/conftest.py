@@ -143,3 +143,22 @@ except ImportError as _missing:
     @pytest.fixture
     def s3_bucket():
         pytest.skip(_S3_MISSING)
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    """Makes in-process clusters for peer-replica tests: ``nodes(["node0", "node1"], job=)``
+    (a real controller and a replica store per node; see ``peer_cluster.Nodes``)."""
+    from peer_cluster import Nodes
+
+    made = []
+
+    def make(names: list[str], job: str = "pj") -> Nodes:
+        n = Nodes(tmp_path, monkeypatch, job, names)
+        n.serve()
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()

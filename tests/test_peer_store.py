@@ -10,22 +10,19 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
 from flashckpt.agent import replicas as replicas_module
-from flashckpt.agent.controller import Controller, InThread
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.storage_tiers import open_tier
 from flashckpt.storage_tiers.peer import PeerNode, holder
+from peer_cluster import TOKEN
 
 from flashckpt import Checkpointer
 from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
 from flashckpt.faults import control
 from flashckpt.format import layout
-
-TOKEN = "peer-tests-" + uuid.uuid4().hex
 
 
 def test_the_holder_is_the_next_node_by_name_that_can_hold():
@@ -40,65 +37,6 @@ def test_the_holder_is_the_next_node_by_name_that_can_hold():
     assert holder(racks, "a1", 1, "r1").name == "b1"  # never in the source's failure domain
     assert holder(racks, "a1", 2, "r1") is None
     assert holder(nodes, "n1", 0) is None
-
-
-class Nodes:
-    """A controller and one replica store per named node; ``as_node`` makes this process
-    that node (its name, its run directory with the controller's endpoint)."""
-
-    def __init__(self, tmp_path, monkeypatch, job: str, names: list[str]):
-        self.tmp, self.mp, self.job = tmp_path, monkeypatch, job
-        self.controller = InThread(Controller(), "127.0.0.1:0", TOKEN)
-        self.address = f"127.0.0.1:{self.controller.start_serving()}"
-        self.stores: dict[str, replicas_module.ReplicaStore] = {}
-        self.loop = asyncio.new_event_loop()
-        for name in names:
-            run_dir = self.run_dir(name)
-            shm = tmp_path / f"shm-{name}"
-            shm.mkdir()
-            store = replicas_module.ReplicaStore(job, shm, run_dir)
-            self.loop.run_until_complete(store.start("127.0.0.1"))
-            self.stores[name] = store
-            self.controller.controller.report(pb.NodeReport(
-                job=job, node=name, agent_id=f"{name}-a", peer_address=store.address))  # fmt: skip
-
-    def run_dir(self, name: str):
-        path = self.tmp / f"run-{name}"
-        if not path.exists():
-            path.mkdir(mode=0o700)
-            control.Endpoint(self.address, TOKEN).save(path, self.job)
-        return path
-
-    def as_node(self, name: str) -> None:
-        self.mp.setenv("FLASHCKPT_NODE", name)
-        self.mp.setenv("FLASHCKPT_RUN_DIR", str(self.run_dir(name)))
-
-    def serve(self) -> None:
-        """Let the stores answer while the test's own event loops run elsewhere."""
-        import threading
-
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def close(self) -> None:
-        for store in self.stores.values():
-            asyncio.run_coroutine_threadsafe(store.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.controller.stop()
-
-
-@pytest.fixture
-def nodes(tmp_path, monkeypatch):
-    made = []
-
-    def make(names: list[str], job: str = "pj") -> Nodes:
-        n = Nodes(tmp_path, monkeypatch, job, names)
-        n.serve()
-        made.append(n)
-        return n
-
-    yield make
-    for n in made:
-        n.close()
 
 
 def run(coro):
@@ -158,6 +96,15 @@ def test_a_replica_that_would_crowd_out_the_trainers_is_refused(nodes, monkeypat
 def test_no_holder_and_no_controller_say_what_to_do(nodes, tmp_path, monkeypatch):
     cluster = nodes(["node0"])
     cluster.as_node("node0")
+    with pytest.raises(TierUnavailableError, match="no node can hold node node0's replica"):
+        run(open_tier("peer://auto").get("pj/x"))
+    # No node can hold one and none reports holding one: there is no replica to list.
+    assert run(open_tier("peer://auto").list("pj/")) == []
+    # A node that reports holding one, but cannot hold it now (lost, or serving nowhere):
+    # the replica exists and cannot be had.
+    cluster.controller.controller.report(pb.NodeReport(
+        job="pj", node="node1", agent_id="node1-a",
+        replicas=[pb.Replica(source="node0", generation=0, step=3, ranks=[0])]))  # fmt: skip
     with pytest.raises(TierUnavailableError, match="no node can hold node node0's replica"):
         run(open_tier("peer://auto").list("pj/"))
     empty = tmp_path / "no-controller"

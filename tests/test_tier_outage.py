@@ -209,8 +209,9 @@ def _zombie(pid: int) -> bool:
 
 @S3
 def test_a_restore_with_nothing_found_refuses_to_start_over_while_a_tier_cannot_be_listed(
-    shm_dir, run_dir, s3_server, s3_bucket
+    shm_dir, run_dir, s3_server, s3_bucket, monkeypatch
 ):
+    monkeypatch.setenv("FLASHCKPT_LIST_RETRY_S", "1")  # tried again once (0.5 s), then refused
     tier = f"s3://{s3_bucket}/run?retry_attempts=1"
     with Checkpointer(tier, job="blind") as ck:
         ck.save(3, {"t": torch.full((1024,), 3.0)})
@@ -231,8 +232,9 @@ def test_a_restore_with_nothing_found_refuses_to_start_over_while_a_tier_cannot_
 
 @S3
 def test_a_tier_that_cannot_be_listed_fails_the_restore_even_when_another_holds_an_older_step(
-    shm_dir, run_dir, tmp_path, s3_server, s3_bucket
+    shm_dir, run_dir, tmp_path, s3_server, s3_bucket, monkeypatch
 ):
+    monkeypatch.setenv("FLASHCKPT_LIST_RETRY_S", "1")
     nvme, s3 = tmp_path / "nvme", f"s3://{s3_bucket}/run?retry_attempts=1"
     with Checkpointer(f"file://{nvme}", s3, job="older") as ck:
         for step in range(1, 6):

@@ -28,6 +28,7 @@ class Restored:
     source: str | None  # the name of the source it came from
     newest_held: int  # the newest step any rank holds (-1: none)
     incarnation: int = 0  # the run of the job this restore starts (recorded in what it saves)
+    skipped: tuple[tuple[str, str, str], ...] = ()  # optional sources passed by: (name, when, why)
 
 
 def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, allow: bool,
@@ -65,16 +66,27 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
             "were not seen; make it reachable and restart, leave it out of the tiers to "
             "restore without it, or name the step to restore (restore(step=N))"
         )
+    # An optional source some rank skipped may hold newer steps of this branch than any seen.
+    skipped = any(group.gather(any(getattr(src, "skipped", "") for src in sources)))
     restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
     if restored is None and step is None and newest_held < 0:
         _warn_starting_over(job, [src.name for src in sources if getattr(src, "empty", False)])
     if step is None and restored is not None and restored < newest_held:
         _warn_going_back(job, restored, newest_held, heads)
-    if restored != newest_held and newest_held >= 0:
+    if (restored != newest_held and newest_held >= 0) or skipped:
         # Going back (asked for, or past corrupt copies) starts a new branch: the steps saved
-        # from here on are stored apart from the abandoned ones, and preferred.
+        # from here on are stored apart from the abandoned ones, and preferred. So does a
+        # restore that skipped a source: were it to come back holding a newer step of the
+        # old branch, a later restore would jump to that step and drop the work in between.
         lineage = lineage.branch(newest_gen + 1, -1 if restored is None else restored)
-    return Restored(restored, lineage, source, newest_held, incarnation)
+        if skipped:
+            log.warning("job %s: a source was skipped (see above), so the steps saved from "
+                        "here on start generation %d, after step %s: a newer step of the old "
+                        "branch the skipped source may hold is never restored", job,
+                        lineage.generation, restored)  # fmt: skip
+    failures = tuple((src.name, when, why) for src in sources
+                     for when, why in getattr(src, "failures", ()))  # fmt: skip
+    return Restored(restored, lineage, source, newest_held, incarnation, failures)
 
 
 def _warn_starting_over(job: str, empty: list[str]) -> None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from .. import group
+from .. import config, group
 from ..errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -183,6 +184,40 @@ class MemorySource:
             return all(s.intact() for s in snaps.values())
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a tier's error may pass by itself (a connection, a timeout, a store's
+    throttling), so a listing is worth trying again; a missing or forbidden path, a bad
+    setting or a corrupt object is not."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, NotADirectoryError)):
+        return False
+    return isinstance(exc, OSError) and not isinstance(exc, CheckpointNotFoundError)
+
+
+class Retrying:
+    """Tries within a budget of ``budget_s`` seconds: waits of 0.5, 1, 2, 4 s between them,
+    none past the budget."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.tries = budget_s, 1
+        self.deadline, self.delay = time.monotonic() + budget_s, 0.5
+
+    def again(self, what: str) -> bool:
+        """Wait before one more try; False (no wait) once the budget would be passed."""
+        if time.monotonic() + self.delay > self.deadline:
+            return False
+        log.info("%s; trying again in %.1f s", what, self.delay)
+        time.sleep(self.delay)
+        self.delay = min(4.0, self.delay * 2)
+        self.tries += 1
+        return True
+
+    def spent(self) -> str:
+        """What was tried, for a message: empty after a single try."""
+        if self.tries == 1:
+            return ""
+        return f"; {self.tries} tries for {self.budget_s:g} s (FLASHCKPT_LIST_RETRY_S)"
+
+
 def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     """Open ``url`` on a private event loop, run ``fn(tier)``, close it (sync callers)."""
     from ..storage_tiers import open_tier
@@ -217,7 +252,7 @@ class TierSource:
 
     def __init__(self, url: str, job: str, rank: int, verify: bool, together: bool = False):
         from ..storage_tiers import parse_spec
-        from ..storage_tiers.registry import redact
+        from ..storage_tiers.registry import redact, tier_class
 
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials
@@ -228,29 +263,49 @@ class TierSource:
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
         self._incarnations: dict[Key, int] = {}  # step -> the run its commit markers name
         self.incarnation = 0  # the newest run of the job the last listing showed
+        # A required tier that cannot be listed stops the restore (``unlisted``: why); an
+        # optional one (``tier.optional``: a peer's memory) is skipped (``skipped``: why).
+        self.optional = tier_class(url).optional
         self.unlisted = ""  # why the last listing failed: the tier may hold steps not seen
+        self.skipped = ""  # the same, of an optional tier: the restore went on without it
+        self.failures: list[tuple[str, str]] = []  # (when, why) an optional tier was passed by
         self.empty = False  # the last listing found nothing of the job there
+        self._why = ""
 
     def _listing(self) -> tier_io.Listing | None:
-        try:
-            return run_with_tier(self.url, lambda tier: tier_io.list_steps(tier, self.job))
-        except Exception as exc:
-            # Whatever keeps a tier from being listed, the restore goes on without it: raising
-            # here on one rank would leave the others waiting in the step agreement.
-            log.warning("tier %s cannot be listed (%s); restoring without it", self.name, exc)
-            self.unlisted = f"{type(exc).__name__}: {exc}"
-            return None
+        """The tier's steps of the job; None if it cannot be listed (``_why`` says why). A
+        required tier's transient errors are retried within ``list_retry_s``; an optional
+        tier gets one try, its waits bounded by the tier itself."""
+        retry = Retrying(0.0 if self.optional else config.list_retry_s())
+        while True:
+            try:
+                return run_with_tier(self.url, lambda tier: tier_io.list_steps(tier, self.job))
+            except Exception as exc:
+                # Whatever keeps a tier from being listed, nothing is raised here: raising on
+                # one rank would leave the others waiting in the step agreement.
+                if transient(exc) and retry.again(f"tier {self.name} cannot be listed ({exc})"):
+                    continue
+                self._why = f"{type(exc).__name__}: {exc}" + retry.spent()
+                if self.optional:
+                    log.warning("tier %s cannot be listed (%s); it only adds a newer copy of "
+                                "what the other sources hold, so the restore goes on without "
+                                "it", self.name, exc)  # fmt: skip
+                else:
+                    log.warning("tier %s cannot be listed (%s)", self.name, exc)
+                return None
 
     def snapshots(self, whole: bool = False) -> dict[Key, Lineage]:
         """Committed steps that include this rank (a node-local tier holds only its node's),
         or with ``whole`` those committed for every rank of the job, with the branch each
         belongs to. A rank the job that saved a step did not have (it grew) holds the step
         if another rank's copy is portable: replicas of the whole job, or DTensor shards."""
+        self._why = ""
         listing = group.from_first(self._listing) if self.together else self._listing()
-        if listing is None:  # rank 0 says why, where it listed the tier for every rank
-            self.unlisted = self.unlisted or "the first rank could not list it"
-        else:
-            self.unlisted = ""
+        # Rank 0 says why, where it listed the tier for every rank.
+        why = (self._why or "the first rank could not list it") if listing is None else ""
+        self.unlisted, self.skipped = ("", why) if self.optional else (why, "")
+        if self.skipped:
+            self.failures.append(("listing", why))
         self.empty = listing == {}
         for k, c in (listing or {}).items():
             if c is not None:
@@ -338,6 +393,8 @@ class TierSource:
         except (*CORRUPT_COPY, OSError, CheckpointNotFoundError) as exc:  # a bad copy, the
             # tier's I/O failed, or it lacks an old rank's shards to reshard from
             log.warning("%s cannot be restored: %s", where, exc)
+            if self.optional and not isinstance(exc, (ManifestError, ChecksumError)):
+                self.failures.append(("load", f"{type(exc).__name__}: {exc}"))
             return False
         self.name = opened[0].describe() or self.name  # a peer's memory: which node served it
         if rank != self.rank and (own := per_rank(manifest)):
