@@ -310,9 +310,11 @@ def _reply(sock: socket.socket, where: str) -> dict:
 
 
 def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int) -> None:
+    # The holder makes room first (allocating a large replica takes a while), and a large
+    # upload's sendall is one socket call: an upload is no restore's wait.
+    sock.settimeout(IO_TIMEOUT_S)
     _send(sock, {"op": "put", "key": key, "size": size})
     _reply(sock, f"peer {peer.name}")  # room made: send
-    sock.settimeout(IO_TIMEOUT_S)  # a large upload's sendall is one socket call
     sent = 0
     for view in views:
         flat = memoryview(view).cast("B")
