@@ -382,7 +382,7 @@ class TierWorker:
             self.tier, self.job, self.keep_last, self.keep_every, self.temp_grace_s,
             self.retire_abandoned, common=common,
         )  # fmt: skip
-        self.state.held -= set(retired.steps)
+        self.state.held = set(retired.committed)  # as listed: what another process removed too
 
     async def _retire_on_news(self) -> None:
         """Retention again once the steps every node holds changed since its last pass: the

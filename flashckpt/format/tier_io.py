@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -403,6 +403,7 @@ class Retired:
 
     steps: list[tuple[int, int]]  # (generation, step)
     leftovers: list[Leftover]  # temporaries and unfinished uploads of crashed writes
+    committed: list[tuple[int, int]] = field(default_factory=list)  # the committed steps left
 
 
 async def apply_retention(
@@ -431,9 +432,10 @@ async def apply_retention(
     keep = kept(held, head(steps), keep_last, keep_every, retire_abandoned, common)
     newest = max(done)
     doomed = sorted(k for k in steps if k not in keep and (k in done or k < newest))
+    left = sorted(set(done) - set(doomed))
     if not dry_run:
         for gen, step in doomed:
             await tier.delete(layout.step_prefix(job, step, gen))
     if doomed and not dry_run:
         log.info("%s: retention removed steps %s of job %s", tier.spec.url, doomed, job)
-    return Retired(doomed, leftovers)
+    return Retired(doomed, leftovers, left)
