@@ -68,3 +68,17 @@ class LearnedCommon:
         make them look held by fewer nodes)."""
         held = sorted(held)
         return sorted(set(held[-REPORTED:]) | (set(self.keys) & set(held)))
+
+    def explain(self, url: str, job: str, here: int, world: int, said: str) -> str:
+        """Say once per reason that a node-local tier of a multi-node job (this node runs
+        ``here`` of its ``world`` ranks) keeps every committed step, so that a disk filling
+        past ``keep_last`` is explained; the reason now (``said``: the one said last)."""
+        why = "" if self.keys else self.why
+        if why and why != said and world > here:
+            log.warning(
+                "tier %s: keeping every committed step of job %s: this node runs %d of its %d "
+                "ranks, and no step is known to be held by every node (%s). keep_last applies "
+                "once the job's controller says which steps every node holds; check that "
+                "every node's agent reports to it", url, job, here, world, why,
+            )  # fmt: skip
+        return why

@@ -373,38 +373,25 @@ class TierWorker:
         retention must agree on: see ``node_retention``."""
         if not (self.keep_last or self.keep_every):
             return
-        common = None
+        common, version = None, 0
         if self.learned is not None:
-            self._retired_at = self.learned.version
-            common = self.learned.common()
-            self._say_why_kept()
+            common, version = self.learned.common(), self.learned.version
+            self._kept_why = self.learned.explain(
+                self.state.url, self.job, len(self.trainers.pids), self.trainers.world_size,
+                self._kept_why,
+            )  # fmt: skip
         retired = await tier_io.apply_retention(
             self.tier, self.job, self.keep_last, self.keep_every, self.temp_grace_s,
             self.retire_abandoned, common=common,
         )  # fmt: skip
         self.state.held = set(retired.committed)  # as listed: what another process removed too
+        self._retired_at = version  # a pass that failed is made again on the next round
 
     async def _retire_on_news(self) -> None:
         """Retention again once the steps every node holds changed since its last pass: the
         job's last steps were committed before every node held them."""
         if self.learned is not None and self.learned.version != self._retired_at:
             await self._retire()
-
-    def _say_why_kept(self) -> None:
-        """Say once per reason that a node-local tier of a multi-node job keeps every
-        committed step, so a disk that fills past ``keep_last`` is explained."""
-        learned = self.learned
-        why = "" if learned is None or learned.keys else learned.why
-        multi_node = self.trainers.world_size > len(self.trainers.pids)
-        if why and why != self._kept_why and multi_node:
-            log.warning(
-                "tier %s: keeping every committed step of job %s: this node runs %d of its %d "
-                "ranks, and no step is known to be held by every node (%s). keep_last applies "
-                "once the job's controller says which steps every node holds; check that "
-                "every node's agent reports to it", self.state.url, self.job,
-                len(self.trainers.pids), self.trainers.world_size, why,
-            )  # fmt: skip
-        self._kept_why = why
 
     def _warn_older(self, step: Key) -> None:
         """Trainers' newest step is older than one the tier has, in the same branch: a job
