@@ -40,6 +40,7 @@ from flashckpt.faults import control
 from flashckpt.faults.events import EventLog
 
 from .commits import Coverage
+from .common_steps import held_steps
 from .job_view import JobState, Node, Seen, short_of_world
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,11 @@ class Controller:
             self._detect(r.job, job, "worker_failed", [r.node], w.rank, now - w.silent_s,
                          pid=w.pid, step=w.step, phase=w.phase)  # fmt: skip
         self._update_commits(r.job, job, r.node, node, r.tiers)
-        return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq)
+        job.common.update(r.node, held_steps(r.tiers), node.ranks, node.world_size)
+        known, common = job.common.answer()
+        return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq,
+                              common_known=known,
+                              common=[pb.StepKey(generation=g, step=s) for g, s in common])  # fmt: skip
 
     def watch(
         self, job: str, node: str, deliver: Callable[[pb.ReportReply | None], None]
@@ -125,6 +130,8 @@ class Controller:
         for name, job in self.jobs.items():
             lost, short = [], None
             for node_name, node in job.nodes.items():
+                if now - node.last_seen > self.node_timeout:
+                    job.common.drop(node_name)  # what it holds is not known any more
                 if node.lost or now - node.last_seen <= self.node_timeout:
                     continue
                 if node.running():
@@ -260,9 +267,11 @@ class ControllerService(pb_grpc.ControllerServicer):
                             ),
                         )
                     reply = self.c.report(request)
-                    # Answer when there is news (orders, a new heartbeat), and every tenth
-                    # report as a sign of life: half the messages of answering them all.
-                    said = (tuple(reply.kill_pids), reply.heartbeat_s)
+                    # Answer when there is news (orders, a new heartbeat, new common steps),
+                    # and every tenth report as a sign of life: half the messages of
+                    # answering them all.
+                    said = (tuple(reply.kill_pids), reply.heartbeat_s, reply.common_known,
+                            tuple((k.generation, k.step) for k in reply.common))  # fmt: skip
                     if said != last[0] or request.seq % ACK_EVERY == 0:
                         last[0] = said
                         outbox.put_nowait(reply)

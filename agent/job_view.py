@@ -1,6 +1,7 @@
 """What the controller knows of a job, all of it from its agents' reports: each node's
 workers (their start times on the controller's clock), tiers and replicas, whether it is
-lost, and the workers it was ordered to kill; and the job's detections and global commits."""
+lost, and the workers it was ordered to kill; and the job's detections, global commits and the
+steps every node's node-local tiers hold."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from flashckpt.proto import controller_pb2 as pb
 
 from .commits import Coverage
+from .common_steps import CommonSteps
 
 
 @dataclass
@@ -57,3 +59,4 @@ class JobState:
     detections: list[tuple[float, pb.Detection]] = field(default_factory=list)
     commits: dict[str, tuple[int, int]] = field(default_factory=dict)  # url -> (gen, step)
     coverage: dict[str, Coverage] = field(default_factory=dict)  # url -> what nodes hold
+    common: CommonSteps = field(default_factory=CommonSteps)  # steps on every node's NVMe

@@ -11,6 +11,7 @@ from flashckpt.storage_tiers.registry import redact
 
 from flashckpt.snapshot.slots import closed_marker_path, free_rank, ranks_in, unowned
 
+from .node_retention import LearnedCommon
 from .persist import TierWorker
 from .trainers import Trainers
 
@@ -21,6 +22,7 @@ class Job:
     def __init__(self, name: str, shm_dir: Path, node: str, metrics=None):
         self.name, self.shm_dir, self.node, self.metrics = name, shm_dir, node, metrics
         self.trainers = Trainers()
+        self.common = LearnedCommon()  # the steps every node holds, from the controller
         self.workers: dict[str, TierWorker] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -30,7 +32,7 @@ class Job:
             return self.workers[url]
         worker = TierWorker(
             self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
-            trainers=self.trainers, owned=self.owned,
+            trainers=self.trainers, owned=self.owned, common=self.common,
         )  # fmt: skip
         self.workers[url] = worker
         await worker.start()

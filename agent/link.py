@@ -27,6 +27,7 @@ from flashckpt.proto import controller_pb2_grpc as pb_grpc
 from flashckpt.storage_tiers.registry import redact
 
 from flashckpt import config
+from flashckpt.faults import control
 from flashckpt.faults.control import Endpoint
 from flashckpt.faults.heartbeat import Phase, pages
 from flashckpt.faults.proc import parent_and_state
@@ -70,7 +71,10 @@ class Link:
         j = self.job
         tiers = [
             pb.TierCommit(url=redact(w.state.url), shared=w.state.scope == "shared",
-                          step=w.state.last_committed[1], generation=w.state.last_committed[0])
+                          step=w.state.last_committed[1], generation=w.state.last_committed[0],
+                          held=[] if w.learned is None else [
+                              pb.StepKey(generation=g, step=s)
+                              for g, s in j.common.to_report(w.state.held)])
             for w in j.workers.values()
         ]  # fmt: skip
         held = self.replicas
@@ -106,6 +110,10 @@ class Link:
                 log.info("job %s: reporting to the controller at %s", self.job.name,
                          endpoint.address)  # fmt: skip
         if self._channel is None or endpoint is None:
+            self.job.common.why = (
+                f"no controller is known on this node: {control.file_path(self.run_dir, self.job.name)} "
+                "is missing (flashckpt-run writes it)"
+            )
             return
         call = pb_grpc.ControllerStub(self._channel).Connect(metadata=endpoint.metadata())
         orders = asyncio.create_task(self._orders(call))
@@ -134,6 +142,9 @@ class Link:
         """Act on every reply of ``call``: answers to reports and orders pushed unasked."""
         async for reply in call:
             self._warned = ""
+            common = [(k.generation, k.step) for k in reply.common]
+            if reply.seq and self.job.common.learn(reply.common_known, common):
+                self.job.wake()  # node-local tiers may retire what every node now holds
             if reply.heartbeat_s > 0:
                 self.interval = min(reply.heartbeat_s, 30.0)
             for pid in reply.kill_pids:
@@ -147,6 +158,7 @@ class Link:
                 log.warning("the controller link failed: %r", exc)
             return
         why = f"{exc.code().name}: {exc.details()}"
+        self.job.common.why = f"the controller at {endpoint.address} does not answer ({why})"
         if why != self._warned:  # once per new reason, not every heartbeat
             log.warning("the controller at %s does not take reports (%s)", endpoint.address, why)
             self._warned = why

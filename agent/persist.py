@@ -32,6 +32,7 @@ from flashckpt.format.sealed import bare_entries
 from flashckpt.format.slot import Slot
 from flashckpt.snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 
+from .node_retention import LearnedCommon, takes_part
 from .trainers import Trainers
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class TierState:
     last_persist_seconds: float = 0.0
     last_persist_bytes: int = 0
     committed_at: dict[int, float] = field(default_factory=dict)
+    held: set[Key] = field(default_factory=set)  # steps complete in the tier, as far as known
 
     @property
     def lag_steps(self) -> int:
@@ -167,9 +169,11 @@ class TierWorker:
     def __init__(
         self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
         trainers: Trainers | None = None, owned: Callable[[int], bool] | None = None,
+        common: LearnedCommon | None = None,
     ) -> None:  # fmt: skip
         """``trainers`` is the job's registry on this node, shared by all its tiers; ``owned``
-        says whether a live trainer holds a rank's slots."""
+        says whether a live trainer holds a rank's slots; ``common``, the steps every node of
+        the job holds as this node learned them (a node-local tier's retention keeps them)."""
         self.job, self.tier, self.node = job, tier, node
         self.trainers = trainers if trainers is not None else Trainers()
         self.owned = owned or (lambda rank: True)
@@ -188,6 +192,9 @@ class TierWorker:
         # ranks of one step stored at once (each upload is itself parallel for S3)
         self.rank_concurrency = option(spec, "rank_concurrency", 0, int) or 4
         self.retire_abandoned = bool(option(spec, "retire_abandoned", 0, int))
+        self.learned = (common or LearnedCommon()) if takes_part(spec) else None
+        self._retired_at = 0  # the version of ``learned`` the last retention pass had
+        self._kept_why = ""  # why retention last kept every step (said once)
         self.temp_grace_s = option(spec, "temp_grace_s", TEMP_GRACE_S, float)
         # A failing tier is tried again after 1, 2, 4... seconds, never more than this apart:
         # the newest step reaches it within this long of its return, trainer alive or not.
@@ -221,6 +228,7 @@ class TierWorker:
         try:
             done = tier_io.complete(await tier_io.list_steps(self.tier, self.job))
             self.state.last_committed = max(done, default=NONE)
+            self.state.held = set(done)
         except Exception as exc:  # an unreachable tier still starts; the loop retries
             self._failed(exc)
             return
@@ -287,6 +295,7 @@ class TierWorker:
             )  # fmt: skip
         if not required or newest is None:
             self._report()
+            await self._retire_on_news()
             return None
         # Every rank the live job runs here must hold the step: a step stored without one of
         # them could never be completed later. Slots of other ranks are leftovers, not waited on.
@@ -296,6 +305,7 @@ class TierWorker:
             self._warn_older(newest)
         if step is None or step <= self.state.last_committed or self._throttled(step):
             self._report()
+            await self._retire_on_news()
             return None
         t0 = time.monotonic()
         # Every rank's copy of the step is locked before any is read, for the whole round:
@@ -340,6 +350,7 @@ class TierWorker:
             snaps[0].manifest.lineage, snaps[0].manifest.incarnation,
         )  # fmt: skip
         self.state.last_committed = step
+        self.state.held.add(step)
         self.state.healthy, self.state.last_error = True, ""
         self.state.bytes_persisted += written
         self.state.snapshots_persisted += 1
@@ -354,12 +365,33 @@ class TierWorker:
         if self.metrics:
             self.metrics.persisted(self.state.url, written)
         self._report()
-        if self.keep_last or self.keep_every:
-            await tier_io.apply_retention(
-                self.tier, self.job, self.keep_last, self.keep_every, self.temp_grace_s,
-                self.retire_abandoned,
-            )  # fmt: skip
+        await self._retire()
         return step
+
+    async def _retire(self) -> None:
+        """Apply the tier's retention policy. A node-local tier keeps what every node's
+        retention must agree on: see ``node_retention``."""
+        if not (self.keep_last or self.keep_every):
+            return
+        common, version = None, 0
+        if self.learned is not None:
+            common, version = self.learned.common(), self.learned.version
+            self._kept_why = self.learned.explain(
+                self.state.url, self.job, len(self.trainers.pids), self.trainers.world_size,
+                self._kept_why,
+            )  # fmt: skip
+        retired = await tier_io.apply_retention(
+            self.tier, self.job, self.keep_last, self.keep_every, self.temp_grace_s,
+            self.retire_abandoned, common=common,
+        )  # fmt: skip
+        self.state.held = set(retired.committed)  # as listed: what another process removed too
+        self._retired_at = version  # a pass that failed is made again on the next round
+
+    async def _retire_on_news(self) -> None:
+        """Retention again once the steps every node holds changed since its last pass: the
+        job's last steps were committed before every node held them."""
+        if self.learned is not None and self.learned.version != self._retired_at:
+            await self._retire()
 
     def _warn_older(self, step: Key) -> None:
         """Trainers' newest step is older than one the tier has, in the same branch: a job

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ontroller.proto\x12\x17\x66lashckpt.controller.v1\"p\n\x06Worker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x10\n\x08silent_s\x18\x05 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\x12\r\n\x05\x61live\x18\x07 \x01(\x08\"K\n\nTierCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"J\n\x07Replica\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x05\"\xb1\x02\n\nNodeReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x32\n\x05tiers\x18\x06 \x03(\x0b\x32#.flashckpt.controller.v1.TierCommit\x12\r\n\x05ranks\x18\x07 \x03(\x05\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\n \x01(\t\x12\x32\n\x08replicas\x18\x0b \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"B\n\x0bReportReply\x12\x11\n\tkill_pids\x18\x01 \x03(\x05\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x1f\n\x10JobStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x01\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x0c\n\x04lost\x18\x04 \x01(\x08\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x07 \x01(\t\x12\x32\n\x08replicas\x18\x08 \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"=\n\x0cGlobalCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"T\n\tDetection\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x05 \x01(\t\"\xc4\x01\n\x0eJobStatusReply\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x32\n\x05nodes\x18\x02 \x03(\x0b\x32#.flashckpt.controller.v1.NodeStatus\x12\x36\n\x07\x63ommits\x18\x03 \x03(\x0b\x32%.flashckpt.controller.v1.GlobalCommit\x12\x36\n\ndetections\x18\x04 \x03(\x0b\x32\".flashckpt.controller.v1.Detection2\x9c\x02\n\nController\x12S\n\x06Report\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply\x12X\n\x07\x43onnect\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply(\x01\x30\x01\x12_\n\tJobStatus\x12).flashckpt.controller.v1.JobStatusRequest\x1a\'.flashckpt.controller.v1.JobStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ontroller.proto\x12\x17\x66lashckpt.controller.v1\"p\n\x06Worker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x10\n\x08silent_s\x18\x05 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\x12\r\n\x05\x61live\x18\x07 \x01(\x08\"+\n\x07StepKey\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"{\n\nTierCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12.\n\x04held\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\"J\n\x07Replica\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x05\"\xb1\x02\n\nNodeReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x32\n\x05tiers\x18\x06 \x03(\x0b\x32#.flashckpt.controller.v1.TierCommit\x12\r\n\x05ranks\x18\x07 \x03(\x05\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\n \x01(\t\x12\x32\n\x08replicas\x18\x0b \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"\x8a\x01\n\x0bReportReply\x12\x11\n\tkill_pids\x18\x01 \x03(\x05\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x63ommon_known\x18\x04 \x01(\x08\x12\x30\n\x06\x63ommon\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\"\x1f\n\x10JobStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x01\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x0c\n\x04lost\x18\x04 \x01(\x08\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x07 \x01(\t\x12\x32\n\x08replicas\x18\x08 \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"=\n\x0cGlobalCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"T\n\tDetection\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x05 \x01(\t\"\xc4\x01\n\x0eJobStatusReply\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x32\n\x05nodes\x18\x02 \x03(\x0b\x32#.flashckpt.controller.v1.NodeStatus\x12\x36\n\x07\x63ommits\x18\x03 \x03(\x0b\x32%.flashckpt.controller.v1.GlobalCommit\x12\x36\n\ndetections\x18\x04 \x03(\x0b\x32\".flashckpt.controller.v1.Detection2\x9c\x02\n\nController\x12S\n\x06Report\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply\x12X\n\x07\x43onnect\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply(\x01\x30\x01\x12_\n\tJobStatus\x12).flashckpt.controller.v1.JobStatusRequest\x1a\'.flashckpt.controller.v1.JobStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKER']._serialized_start=45
   _globals['_WORKER']._serialized_end=157
-  _globals['_TIERCOMMIT']._serialized_start=159
-  _globals['_TIERCOMMIT']._serialized_end=234
-  _globals['_REPLICA']._serialized_start=236
-  _globals['_REPLICA']._serialized_end=310
-  _globals['_NODEREPORT']._serialized_start=313
-  _globals['_NODEREPORT']._serialized_end=618
-  _globals['_REPORTREPLY']._serialized_start=620
-  _globals['_REPORTREPLY']._serialized_end=686
-  _globals['_JOBSTATUSREQUEST']._serialized_start=688
-  _globals['_JOBSTATUSREQUEST']._serialized_end=719
-  _globals['_NODESTATUS']._serialized_start=722
-  _globals['_NODESTATUS']._serialized_end=949
-  _globals['_GLOBALCOMMIT']._serialized_start=951
-  _globals['_GLOBALCOMMIT']._serialized_end=1012
-  _globals['_DETECTION']._serialized_start=1014
-  _globals['_DETECTION']._serialized_end=1098
-  _globals['_JOBSTATUSREPLY']._serialized_start=1101
-  _globals['_JOBSTATUSREPLY']._serialized_end=1297
-  _globals['_CONTROLLER']._serialized_start=1300
-  _globals['_CONTROLLER']._serialized_end=1584
+  _globals['_STEPKEY']._serialized_start=159
+  _globals['_STEPKEY']._serialized_end=202
+  _globals['_TIERCOMMIT']._serialized_start=204
+  _globals['_TIERCOMMIT']._serialized_end=327
+  _globals['_REPLICA']._serialized_start=329
+  _globals['_REPLICA']._serialized_end=403
+  _globals['_NODEREPORT']._serialized_start=406
+  _globals['_NODEREPORT']._serialized_end=711
+  _globals['_REPORTREPLY']._serialized_start=714
+  _globals['_REPORTREPLY']._serialized_end=852
+  _globals['_JOBSTATUSREQUEST']._serialized_start=854
+  _globals['_JOBSTATUSREQUEST']._serialized_end=885
+  _globals['_NODESTATUS']._serialized_start=888
+  _globals['_NODESTATUS']._serialized_end=1115
+  _globals['_GLOBALCOMMIT']._serialized_start=1117
+  _globals['_GLOBALCOMMIT']._serialized_end=1178
+  _globals['_DETECTION']._serialized_start=1180
+  _globals['_DETECTION']._serialized_end=1264
+  _globals['_JOBSTATUSREPLY']._serialized_start=1267
+  _globals['_JOBSTATUSREPLY']._serialized_end=1463
+  _globals['_CONTROLLER']._serialized_start=1466
+  _globals['_CONTROLLER']._serialized_end=1750
 # @@protoc_insertion_point(module_scope)

@@ -24,17 +24,27 @@ class Worker(_message.Message):
     alive: bool
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., silent_s: _Optional[float] = ..., age_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
 
+class StepKey(_message.Message):
+    __slots__ = ("generation", "step")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class TierCommit(_message.Message):
-    __slots__ = ("url", "shared", "step", "generation")
+    __slots__ = ("url", "shared", "step", "generation", "held")
     URL_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     url: str
     shared: bool
     step: int
     generation: int
-    def __init__(self, url: _Optional[str] = ..., shared: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[StepKey]
+    def __init__(self, url: _Optional[str] = ..., shared: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., held: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("source", "step", "generation", "ranks")
@@ -75,14 +85,18 @@ class NodeReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("kill_pids", "heartbeat_s", "seq")
+    __slots__ = ("kill_pids", "heartbeat_s", "seq", "common_known", "common")
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMON_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    COMMON_FIELD_NUMBER: _ClassVar[int]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
     seq: int
-    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
+    common_known: bool
+    common: _containers.RepeatedCompositeFieldContainer[StepKey]
+    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ...) -> None: ...
 
 class JobStatusRequest(_message.Message):
     __slots__ = ("job",)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from ..storage_tiers.base import TEMP_GRACE_S, Leftover, Scope
 from . import layout
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
+from .retention import Common, Held, kept
 from .slot import align
 
 log = logging.getLogger(__name__)
@@ -402,6 +403,7 @@ class Retired:
 
     steps: list[tuple[int, int]]  # (generation, step)
     leftovers: list[Leftover]  # temporaries and unfinished uploads of crashed writes
+    committed: list[tuple[int, int]] = field(default_factory=list)  # the committed steps left
 
 
 async def apply_retention(
@@ -412,29 +414,28 @@ async def apply_retention(
     temp_grace_s: float = TEMP_GRACE_S,
     retire_abandoned: bool = False,
     dry_run: bool = False,
+    common: Common | None = None,
 ) -> Retired:
     """Delete committed steps of the current branch beyond the policy, uncommitted leftovers
     older than the newest committed step, and what crashed uploads left (with the step
     directories that held only that) once older than ``temp_grace_s`` (a live writer on
     another node may be filling younger ones). Committed steps of abandoned branches (left by
-    a rollback) are kept unless ``retire_abandoned``. ``dry_run`` removes nothing."""
+    a rollback) are kept unless ``retire_abandoned``. ``common``: for a node-local tier of a
+    multi-node job, the steps every node holds (see ``retention.kept``); None where the
+    tier's committed steps are job-wide. ``dry_run`` removes nothing."""
     leftovers = await tier.clean_temporaries(f"{job}/", temp_grace_s, dry_run=dry_run)
     steps = await list_steps(tier, job)
     done = complete(steps)
     if not done:
         return Retired([], leftovers)
-    lineage = head(steps)
-    ours = sorted((k for k in done if lineage.holds(*k)), key=lambda k: k[1], reverse=True)
-    keep = set(ours[:keep_last] if keep_last else ours)
-    if keep_every:
-        keep |= {k for k in ours if k[1] % keep_every == 0}
-    if not retire_abandoned:
-        keep |= set(done) - set(ours)
+    held = {k: Held(len(c.ranks), c.world_size) for k, c in done.items()}
+    keep = kept(held, head(steps), keep_last, keep_every, retire_abandoned, common)
     newest = max(done)
     doomed = sorted(k for k in steps if k not in keep and (k in done or k < newest))
+    left = sorted(set(done) - set(doomed))
     if not dry_run:
         for gen, step in doomed:
             await tier.delete(layout.step_prefix(job, step, gen))
     if doomed and not dry_run:
         log.info("%s: retention removed steps %s of job %s", tier.spec.url, doomed, job)
-    return Retired(doomed, leftovers)
+    return Retired(doomed, leftovers, left)
