@@ -83,6 +83,11 @@ class Checkpointer:
             socket_path(self.run_dir, self.job)  # one past the unix limit fails now
             config.check_agent_settings()  # the agent this trainer may start reads them
         self.close_timeout = config.setting_float("close_timeout", close_timeout, 300.0)
+        config.list_retry_s()  # read at a restore: a bad value fails here, where the job starts
+        if peers:
+            from .storage_tiers.peer import peer_timeout
+
+            peer_timeout()
         self.overlap = config.setting_bool("overlap", overlap, True)
         self.allow_pickle = config.check_flag("allow_pickle", allow_pickle)
         self.verify = config.check_flag("verify", verify)

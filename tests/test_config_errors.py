@@ -41,6 +41,7 @@ from flashckpt.snapshot.slots import ranks_in
         ({"allow_pickle": "no"}, {}, "argument allow_pickle='no' is not valid: expected True"),
         ({"verify": 0}, {}, "argument verify=0 is not valid"),
         ({"chunk_size": True}, {}, "chunk_size must be a positive multiple of 64, got True"),
+        ({}, {"FLASHCKPT_LIST_RETRY_S": "-1"}, "FLASHCKPT_LIST_RETRY_S='-1' is not valid"),
     ],
 )
 def test_bad_settings_fail_when_built_naming_setting_and_value(
@@ -384,6 +385,13 @@ def test_torchrun_standalone_reruns_get_the_same_job(shm_dir, tmp_path):
             next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("JOB"))
         )
     assert jobs[0] == jobs[1] == jobs[2] and jobs[0].startswith("train-")
+
+
+def test_a_bad_peer_timeout_fails_when_built(shm_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_PEER_REPLICAS", "1")
+    monkeypatch.setenv("FLASHCKPT_PEER_TIMEOUT", "0")
+    with pytest.raises(ConfigError, match="FLASHCKPT_PEER_TIMEOUT='0' is not valid: expected"):
+        Checkpointer(f"file://{tmp_path}/tier", job="cfg", run_dir=tmp_path / "run")
 
 
 @pytest.mark.parametrize("name", config.AGENT_NUMBERS)
