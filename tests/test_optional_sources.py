@@ -200,3 +200,27 @@ def test_a_required_tier_that_stays_down_fails_the_restore_once_the_budget_is_sp
         assert time.monotonic() - began < 30
     finally:
         s3_server.start()
+
+
+def test_a_controller_that_is_down_while_a_node_restores_costs_the_replica_only(
+    nodes, shm_dir, tmp_path, events
+):
+    # The controller restarts while the lost node's ranks restore: who holds the replica
+    # cannot be asked, so the peer tier is skipped and the tiers serve the restore.
+    cluster = nodes(["node0", "node1"], job="ctl")
+    cluster.as_node("node0")
+    disk = f"file://{tmp_path / 'nvme'}"
+    state = {"w": torch.randn(1000)}
+    with Checkpointer(PEER, disk, job="ctl") as ck:
+        saved(ck, 6, state, PEER, disk)
+    lose_node(cluster.run_dir("node0"), shm_dir, "ctl")
+    cluster.controller.stop()
+    fresh = {"w": torch.zeros(1000)}
+    began = time.monotonic()
+    with Checkpointer(PEER, disk, job="ctl") as ck:
+        assert ck.restore(fresh) == 6 and ck.generation == 1
+        took = time.monotonic() - began
+    assert torch.equal(fresh["w"], state["w"])
+    assert took < PEER_TIMEOUT_S + 8, took
+    [skip] = events("restore_source_skipped")
+    assert "cannot list the nodes" in skip["why"], skip
