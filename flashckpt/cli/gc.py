@@ -49,7 +49,7 @@ from .common import (
     run_dir,
     shm_dir,
 )
-from .locations import TierLocation, job_at, newest_key
+from .locations import TierLocation, job_at, newest_key, stray_line
 
 NAME = "gc"
 HELP = "apply retention to a tier's job, or remove dead jobs' files from this node ('gc shm')"
@@ -79,6 +79,7 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     async with TierLocation(url) as loc:
         job = await job_at(loc, chosen_job(args))
         listing = await loc.listing(job)
+        strays = await loc.strays(job)
         newest = newest_key(listing, None)
         grace = option(loc.tier.spec, "temp_grace_s", TEMP_GRACE_S, float)
         retention = (job, args.keep_last, args.keep_every, grace)
@@ -98,7 +99,7 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     leftovers = [{"key": t.key, "bytes": t.size, "age_s": round(time.time() - t.modified, 1)}
                  for t in retired.leftovers]  # fmt: skip
     return {"location": loc.shown, "job": job, "removed": steps, "kept": kept,
-            "leftovers_removed": leftovers,
+            "leftovers_removed": leftovers, "strays": strays,
             "newest_committed": newest[1] if newest else None}  # fmt: skip
 
 
@@ -228,5 +229,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             size = "size unknown" if t["bytes"] is None else f"{t['bytes']} bytes"
             out.line(f"  {verb} what a crashed write of {t['key']} left: {size}, "
                      f"{t['age_s']:.0f}s old")  # fmt: skip
+        for name in doc["strays"]:
+            out.line(f"  kept {stray_line(doc['location'], name)}")
     out.document({"command": NAME, "ok": True, "dry_run": args.dry_run, **doc})
     return OK
