@@ -337,7 +337,7 @@ def test_a_directory_tier_follows_no_symbolic_link_inside_it(tmp_path: Path, sch
     assert listing == {}  # what the link points at is not the tier's
     with pytest.raises(ManifestError, match="symbolic link to a regular file"):
         run(tier_io.read_manifest(open_tier(url), "real", 1, 0))
-    with pytest.raises(TierUnavailableError, match="is a symbolic link, and nothing is deleted through a link"):
+    with pytest.raises(TierUnavailableError, match="nothing is deleted through a link"):
         run(open_tier(url).delete("linked/step-000000000001"))
     assert (elsewhere / "linked" / "step-000000000001").is_dir()
     keys = run(open_tier(url).list("real/"))
