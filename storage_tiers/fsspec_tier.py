@@ -55,6 +55,7 @@ from .base import (
 from .os_errors import ADVICE, explain, kind_of, not_a_file
 from .posix import fsync_dir
 from .registry import POLICY_OPTIONS, is_secret, option
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,9 +174,10 @@ class FsspecTier(Tier):
         return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
 
     async def _run(self, what: str, key: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """A blocking fsspec call in a worker thread, its errors in the tier's terms."""
+        """A blocking fsspec call in a worker thread, its errors in the tier's terms; a
+        cancelled caller waits for the call (a write reads the caller's memory)."""
         try:
-            return await asyncio.to_thread(fn, *args, **kw)
+            return await in_thread(fn, *args, **kw)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"tier {self.spec.url} has no object {key!r} ({exc}); check the key, or "

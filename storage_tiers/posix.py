@@ -33,6 +33,7 @@ from .base import (
 )
 from .os_errors import explain, kind_of, not_a_file, through_link
 from .registry import as_bool, mode_option, option
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -261,7 +262,7 @@ class PosixTier(Tier):
             os.close(fd)
 
     async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
-        await asyncio.to_thread(self._get_into, key, out, start)
+        await in_thread(self._get_into, key, out, start)
 
     def _get_into(self, key: str, out: memoryview, start: int) -> None:
         view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
@@ -398,7 +399,6 @@ class _Temp:
         self.dir_fd: int | None = dir_fd
         self.name = name
         self.final = final
-        self._busy: asyncio.Future[object] | None = None
 
     @classmethod
     def create(cls, dir_fd: int, final: Path, mode: int) -> _Temp:
@@ -414,9 +414,9 @@ class _Temp:
         return cls(fd, dir_fd, name, final)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run blocking ``fn`` in a thread; a cancelled caller does not orphan it (see discard)."""
-        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        return await asyncio.shield(self._busy)
+        """Run blocking ``fn`` in a thread; a cancelled caller waits for it (``in_thread``):
+        a write may be reading the caller's memory, and its fd is closed only after."""
+        return await in_thread(fn, *args)
 
     def write(self, view: memoryview) -> None:
         assert self.fd is not None
@@ -435,9 +435,7 @@ class _Temp:
         self._close_dir()
 
     async def discard(self) -> None:
-        if self._busy is not None:
-            await asyncio.wait([self._busy])  # never close an fd a thread still writes to
-        await asyncio.to_thread(self._remove)
+        await in_thread(self._remove)
 
     def _remove(self) -> None:
         if self.fd is not None:
