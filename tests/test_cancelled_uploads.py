@@ -126,7 +126,9 @@ def slow_fsspec() -> str:
 
 
 def test_a_failed_round_returns_only_after_every_upload_stopped_reading(
-    nodes, slow_fsspec: str, tmp_path: Path  # noqa: F811
+    nodes,  # noqa: F811
+    slow_fsspec: str,
+    tmp_path: Path,
 ):
     cluster = nodes(["node0", "node1"])
     link = SlowLink(cluster.stores["node1"].address)
