@@ -38,7 +38,12 @@ from typing import Any, TypeVar
 from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
 
-from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
+from flashckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FlashCkptError,
+    TierUnavailableError,
+)
 
 from .base import (
     TEMP_PREFIX,
@@ -348,6 +353,21 @@ class FsspecTier(Tier):
                 key = f"{parent}/{target}" if parent else target
                 found.append(Leftover(key, path, info.get("size"), _modified(info)))
         return found
+
+    async def store_now(self) -> float:
+        """When a probe written now in the root was modified, as the store dates it: the
+        clock its leftovers' times are on. This node's clock where none can be written."""
+        path = f"{self.root}/{temp_name('clock')}"
+        try:
+            await self._run("put", "", self.fs.pipe_file, path, b"\0")
+            try:
+                return _modified(await self._run("list", "", self.fs.info, path))
+            finally:
+                await self._run("delete", "", self.fs.rm, path)
+        except (OSError, FlashCkptError) as exc:
+            log.info("%s: the store's clock cannot be read (%s); leftovers' ages are taken on "
+                     "this node's clock", self.spec.url, exc)  # fmt: skip
+            return time.time()
 
     async def remove_leftover(self, leftover: Leftover) -> None:
         try:

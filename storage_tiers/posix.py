@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -338,6 +339,32 @@ class PosixTier(Tier):
                     continue  # committed or discarded meanwhile
                 found.append(Leftover(key, str(path), st.st_size, st.st_mtime))
         return found
+
+    async def store_now(self) -> float:
+        return await asyncio.to_thread(self._probe_time)
+
+    def _probe_time(self) -> float:
+        """The mtime of a byte written just now in the root: the clock that dates the tier's
+        files (a network filesystem's server's). This node's clock where none can be
+        written (a read-only tier removes nothing anyway)."""
+        name = temp_name("clock")
+        try:
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(name, flags, 0o600, dir_fd=root)
+                try:
+                    os.write(fd, b"\0")
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                    os.unlink(name, dir_fd=root)
+            finally:
+                os.close(root)
+        except OSError as exc:
+            log.info("%s: the store's clock cannot be read (%s); leftovers' ages are taken on "
+                     "this node's clock", self.spec.url, exc)  # fmt: skip
+            return time.time()
 
     async def remove_leftover(self, leftover: Leftover) -> None:
         await asyncio.to_thread(self._remove_leftover, Path(leftover.name), leftover.key)

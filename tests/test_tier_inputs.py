@@ -360,10 +360,17 @@ def test_names_read_back_from_a_tier_are_ascii(tmp_path: Path, monkeypatch):
     assert layout.CommitMarker.from_json(marker).node == node  # its markers are read back
 
 
-def test_a_shared_tier_refuses_a_grace_of_zero_for_other_nodes_uploads():
-    with pytest.raises(ConfigError, match="temp_grace_s=0 on a shared tier"):
-        parse_spec("pfs:///mnt/pfs/ckpt?temp_grace_s=0")
-    assert parse_spec("file:///nvme/ckpt?temp_grace_s=0").options["temp_grace_s"] == "0"
+@pytest.mark.parametrize("url", ["pfs:///mnt/pfs/ckpt", "file:///nvme/ckpt", "s3://b/ckpt",
+                                 "fsspec+memory://ckpt"])  # fmt: skip
+def test_a_grace_below_the_floor_is_refused_saying_why(url: str):
+    """A live upload pauses between writes; a grace shorter than that removes it."""
+    for bad in ("0", "0.001", "59.9"):
+        with pytest.raises(ConfigError) as caught:
+            parse_spec(f"{url}?temp_grace_s={bad}")
+        text = str(caught.value)
+        assert f"temp_grace_s={bad} is below the floor of 60 seconds" in text
+        assert "an upload still being written" in text and "give at least 60" in text
+    assert parse_spec(f"{url}?temp_grace_s=60").options["temp_grace_s"] == "60"
 
 
 @S3

@@ -6,7 +6,9 @@ of the current branch (and every M-th) stay, older ones go, with uncommitted lef
 than the newest committed step and what crashed uploads left (temporaries, unfinished
 uploads, and the step directories that held only those) once older than the tier's
 ``temp_grace_s``; each is listed with its size. K must be at least 1, so the newest committed
-step is never removed; ``--dry-run`` lists what would go.
+step is never removed; ``--dry-run`` lists what would go. Stray names under the job (not a
+step or rank name flashckpt writes, see ``layout.strays``) are listed as kept: gc never
+removes them.
 
 ``gc shm`` removes the slot files (and the agents' stale socket, pid and controller files in
 ``FLASHCKPT_RUN_DIR``) of every job on this node whose processes are gone: no live agent holds
