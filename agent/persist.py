@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
 from flashckpt.storage_tiers.registry import option
+from flashckpt.storage_tiers.threads import in_thread
 
 from flashckpt.errors import SharedMemoryError
 from flashckpt.format import layout, tier_io
@@ -455,7 +456,7 @@ class TierWorker:
             data = snap.slot.data(snap.header)
             try:
                 if not manifest.sealed:  # the trainer died (or is slow) before its sealer ran
-                    sums = await asyncio.to_thread(
+                    sums = await in_thread(  # reads the slot: waited for if cancelled
                         chunk_checksums, data, manifest.entries, manifest.chunk_size
                     )
                     manifest = manifest.with_checksums(sums)

@@ -120,11 +120,12 @@ class Tier(abc.ABC):
         """Remove the leftovers under ``prefix`` older than ``older_than_s`` seconds (a live
         writer elsewhere may be filling younger ones), and at any age those whose key
         ``mine(key)`` claims for this writer; ``dry_run`` only lists them. Returns them."""
-        cutoff = time.time() - older_than_s
-        doomed = [
-            t for t in await self.leftovers(prefix)
-            if t.modified <= cutoff or (mine is not None and mine(t.key))
-        ]  # fmt: skip
+        found = await self.leftovers(prefix)
+        claimed = [t for t in found if mine is not None and mine(t.key)]
+        # Ages run on the store's clock, as its leftovers are dated: a node whose clock runs
+        # ahead would take other nodes' live uploads for dead ones.
+        now = await self.store_now() if len(claimed) < len(found) else 0.0
+        doomed = [t for t in found if t in claimed or t.modified <= now - older_than_s]
         if not dry_run:
             for t in doomed:
                 await self.remove_leftover(t)
@@ -132,6 +133,12 @@ class Tier(abc.ABC):
             log.info("%s: removed %d leftovers of crashed writes under %r (%s)", self.spec.url,
                      len(doomed), prefix, _bytes(doomed))  # fmt: skip
         return doomed
+
+    async def store_now(self) -> float:
+        """The time now on the clock the store dates its objects and leftovers by (seconds
+        since the epoch), which is not this node's: nodes' clocks differ from it and from each
+        other. The default, for a tier that leaves nothing over: this node's clock."""
+        return time.time()
 
     async def check_location(self, create: bool = False) -> None:
         """Raise an error that says what to do when the tier's root cannot be used: missing (a
@@ -165,6 +172,10 @@ TEMP_PREFIX = ".tmp-"
 TEMP_GRACE_S = 3600.0
 """How old another writer's temporary must be before it counts as a crashed one's: a live
 writer on another node may still be uploading into a shared tier."""
+
+MIN_TEMP_GRACE_S = 60.0
+"""The least ``temp_grace_s`` a tier takes: a live upload may pause this long between two
+writes (a slow part, a retry's backoff), and a store's clock is read to the second."""
 
 _TEMP_NAME = re.compile(re.escape(TEMP_PREFIX) + r"(.+)-[0-9a-f]+")
 

@@ -38,7 +38,12 @@ from typing import Any, TypeVar
 from fsspec.core import strip_protocol
 from fsspec.implementations.local import LocalFileSystem
 
-from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
+from flashckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FlashCkptError,
+    TierUnavailableError,
+)
 
 from .base import (
     TEMP_PREFIX,
@@ -55,6 +60,7 @@ from .base import (
 from .os_errors import ADVICE, explain, kind_of, not_a_file
 from .posix import fsync_dir
 from .registry import POLICY_OPTIONS, is_secret, option
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,9 +179,10 @@ class FsspecTier(Tier):
         return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
 
     async def _run(self, what: str, key: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        """A blocking fsspec call in a worker thread, its errors in the tier's terms."""
+        """A blocking fsspec call in a worker thread, its errors in the tier's terms; a
+        cancelled caller waits for the call (a write reads the caller's memory)."""
         try:
-            return await asyncio.to_thread(fn, *args, **kw)
+            return await in_thread(fn, *args, **kw)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"tier {self.spec.url} has no object {key!r} ({exc}); check the key, or "
@@ -346,6 +353,21 @@ class FsspecTier(Tier):
                 key = f"{parent}/{target}" if parent else target
                 found.append(Leftover(key, path, info.get("size"), _modified(info)))
         return found
+
+    async def store_now(self) -> float:
+        """When a probe written now in the root was modified, as the store dates it: the
+        clock its leftovers' times are on. This node's clock where none can be written."""
+        path = f"{self.root}/{temp_name('clock')}"
+        try:
+            await self._run("put", "", self.fs.pipe_file, path, b"\0")
+            try:
+                return _modified(await self._run("list", "", self.fs.info, path))
+            finally:
+                await self._run("delete", "", self.fs.rm, path)
+        except (OSError, FlashCkptError) as exc:
+            log.info("%s: the store's clock cannot be read (%s); leftovers' ages are taken on "
+                     "this node's clock", self.spec.url, exc)  # fmt: skip
+            return time.time()
 
     async def remove_leftover(self, leftover: Leftover) -> None:
         try:

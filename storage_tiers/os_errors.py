@@ -151,3 +151,15 @@ def not_a_file(url: str, key: str, path: object, kind: str) -> Exception:
         "read (it could block forever); the copy is corrupt: remove it, and restore from "
         "another tier or an older step"
     )
+
+
+def through_link(url: str, key: str, link: object, action: str = "written") -> Exception:
+    """What writing or deleting ``key`` raises when the way to it inside the tier passes the
+    symbolic link ``link``: nothing flashckpt writes is a link, and following one would write
+    or delete outside the tier (where reads, listings and retention never look)."""
+    return TierUnavailableError(
+        errno.ELOOP,
+        f"tier {url}: {key!r} is not {action}: {link} is a symbolic link, and nothing is "
+        f"{action} through a link inside a tier (flashckpt makes none; expected a directory); "
+        "replace the link with the directory it points at, or remove it",
+    )

@@ -17,11 +17,11 @@ with the job's controller token, over TLS where the controller uses TLS.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import logging
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -31,8 +31,10 @@ from flashckpt import config
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
 
 from . import peer_wire as wire
+from . import threads
 from .base import Leftover, Tier, TierSpec, check_key, iter_chunks
 from .registry import option
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ PEER_TIMEOUT_S = 3.0
 answer, the connect, each reply, and any pause in the bytes of a transfer. A replica is
 optional: a holder slower than this is skipped, and the restore goes on from the tiers."""
 IO_TIMEOUT_S = 60.0  # one socket call of a sender's upload; a transfer may take longer in all
+SEND_PIECE = 1 << 20  # a put checks between pieces whether its caller was cancelled
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
 _RESOLVED: dict[tuple, tuple[float, PeerNode]] = {}  # (job, run dir, node, ...) -> holder
 
@@ -210,7 +213,8 @@ class PeerTier(Tier):
         finally:
             sock.close()
 
-    async def _call(self, key_or_prefix: str, fn, *args: Any) -> Any:
+    async def _call(self, key_or_prefix: str, fn, *args: Any,
+                    stop: threading.Event | None = None) -> Any:  # fmt: skip
         job = key_or_prefix.split("/", 1)[0]
         config.validate_name("job", job)
         from flashckpt.faults.control import Endpoint
@@ -224,7 +228,7 @@ class PeerTier(Tier):
                 return fn(sock, peer, *args)
 
         try:
-            return await asyncio.to_thread(run)
+            return await in_thread(run, stop=stop)  # a cancelled caller waits for it
         except wire.WireError as exc:
             self._forget()
             raise _as_error(exc, peer) from None
@@ -236,7 +240,8 @@ class PeerTier(Tier):
                   size: int) -> None:  # fmt: skip
         check_key(key)
         views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
-        await self._call(key, _put, key, views, size)
+        stop = threading.Event()  # set when the caller is cancelled: the send ends there
+        await self._call(key, _put, key, views, size, stop, stop=stop)
 
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         check_key(key)
@@ -309,7 +314,8 @@ def _reply(sock: socket.socket, where: str) -> dict:
     return wire.checked(wire.decode(_recv_exact(sock, n)), where)
 
 
-def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int) -> None:
+def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int,
+         stop: threading.Event) -> None:  # fmt: skip
     # The holder makes room first (allocating a large replica takes a while), and a large
     # upload's sendall is one socket call: an upload is no restore's wait.
     sock.settimeout(IO_TIMEOUT_S)
@@ -318,7 +324,9 @@ def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int) 
     sent = 0
     for view in views:
         flat = memoryview(view).cast("B")
-        sock.sendall(flat)
+        for at in range(0, len(flat), SEND_PIECE):  # a cancelled put reads no further
+            threads.check(stop)
+            sock.sendall(flat[at : at + SEND_PIECE])
         sent += len(flat)
     if sent != size:
         raise wire.WireError("bad", f"{key}: {sent} bytes given for a size of {size}")

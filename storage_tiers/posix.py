@@ -7,11 +7,13 @@ durable. Blocking calls run in worker threads so the agent's event loop keeps se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -30,8 +32,9 @@ from .base import (
     temp_name,
     temp_target,
 )
-from .os_errors import explain, kind_of, not_a_file
+from .os_errors import explain, kind_of, not_a_file, through_link
 from .registry import as_bool, mode_option, option
+from .threads import in_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,7 +135,7 @@ class PosixTier(Tier):
             await self.check_location()
         try:
             await asyncio.to_thread(self._room_for, size)
-            temp = await asyncio.to_thread(_Temp.create, path, self.file_mode, self.dir_mode)
+            temp = await asyncio.to_thread(self._create_temp, path, key)
         except OSError as exc:
             raise self._translate(exc, key, size) from exc
         try:
@@ -140,13 +143,47 @@ class PosixTier(Tier):
             written = await self._write_all(temp, chunks)
             if written != size:
                 raise size_error(key, size, written)
-            await temp.run(temp.commit, path)
+            await temp.run(temp.commit)
         except BaseException as exc:
             await asyncio.shield(temp.discard())
             if isinstance(exc, OSError):
                 raise self._translate(exc, key, size) from exc
             raise
         log.debug("put %s/%s (%d bytes)", self.root, key, size)
+
+    def _create_temp(self, path: Path, key: str) -> _Temp:
+        """A new temporary next to ``path``, in its directory as reached from the root."""
+        dir_fd = self._open_parent(path.parent, key)
+        try:
+            return _Temp.create(dir_fd, path, self.file_mode)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+
+    def _open_parent(self, parent: Path, key: str) -> int:
+        """An fd of the directory ``parent`` inside the tier, made (``dir_mode``) where missing.
+        It is reached from the root one directory at a time, each opened without following a
+        link: a link on the way is refused, as reads refuse it, never written through (the
+        root itself may be one: its owner chose it)."""
+        if not self.root.is_dir():
+            _make_dirs(self.root, self.dir_mode)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        here = self.root
+        try:
+            for part in parent.relative_to(self.root).parts:
+                here = here / part
+                try:
+                    child = _open_child(fd, part, self.dir_mode)
+                except OSError as exc:
+                    if _is_link(fd, part):
+                        raise through_link(self.spec.url, key, here) from None
+                    raise OSError(exc.errno, exc.strerror, str(here)) from None
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     async def _write_all(
         self, temp: _Temp, chunks: AsyncIterator[memoryview] | list[memoryview]
@@ -226,7 +263,7 @@ class PosixTier(Tier):
             os.close(fd)
 
     async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
-        await asyncio.to_thread(self._get_into, key, out, start)
+        await in_thread(self._get_into, key, out, start)
 
     def _get_into(self, key: str, out: memoryview, start: int) -> None:
         view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
@@ -270,12 +307,7 @@ class PosixTier(Tier):
         target = self.root / prefix
         link = self._link_on_way(target.parent) if target.parent != self.root else None
         if link is not None:
-            raise TierUnavailableError(
-                errno.ELOOP,
-                f"{self.spec.url}: {link} is a symbolic link; nothing is deleted through it "
-                f"(flashckpt writes no links into a tier): replace it with the directory it "
-                "points at, or remove it",
-            )
+            raise through_link(self.spec.url, prefix, link, "deleted")
         try:
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
@@ -307,6 +339,32 @@ class PosixTier(Tier):
                     continue  # committed or discarded meanwhile
                 found.append(Leftover(key, str(path), st.st_size, st.st_mtime))
         return found
+
+    async def store_now(self) -> float:
+        return await asyncio.to_thread(self._probe_time)
+
+    def _probe_time(self) -> float:
+        """The mtime of a byte written just now in the root: the clock that dates the tier's
+        files (a network filesystem's server's). This node's clock where none can be
+        written (a read-only tier removes nothing anyway)."""
+        name = temp_name("clock")
+        try:
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(name, flags, 0o600, dir_fd=root)
+                try:
+                    os.write(fd, b"\0")
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                    os.unlink(name, dir_fd=root)
+            finally:
+                os.close(root)
+        except OSError as exc:
+            log.info("%s: the store's clock cannot be read (%s); leftovers' ages are taken on "
+                     "this node's clock", self.spec.url, exc)  # fmt: skip
+            return time.time()
 
     async def remove_leftover(self, leftover: Leftover) -> None:
         await asyncio.to_thread(self._remove_leftover, Path(leftover.name), leftover.key)
@@ -360,31 +418,32 @@ def _files(base: Path) -> Iterator[Path]:
 
 
 class _Temp:
-    """A temporary file being written next to its final name; removed unless committed."""
+    """A temporary file being written next to its final name, both named in the directory
+    ``dir_fd`` (opened link-free); removed unless committed."""
 
-    def __init__(self, fd: int, path: Path):
+    def __init__(self, fd: int, dir_fd: int, name: str, final: Path):
         self.fd: int | None = fd
-        self.path = path
-        self._busy: asyncio.Future[object] | None = None
+        self.dir_fd: int | None = dir_fd
+        self.name = name
+        self.final = final
 
     @classmethod
-    def create(cls, final: Path, mode: int, dir_mode: int) -> _Temp:
-        _make_dirs(final.parent, dir_mode)
-        path = final.parent / temp_name(final.name)
+    def create(cls, dir_fd: int, final: Path, mode: int) -> _Temp:
+        name = temp_name(final.name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, mode)
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
         try:
             os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
             raise
-        return cls(fd, path)
+        return cls(fd, dir_fd, name, final)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run blocking ``fn`` in a thread; a cancelled caller does not orphan it (see discard)."""
-        self._busy = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        return await asyncio.shield(self._busy)
+        """Run blocking ``fn`` in a thread; a cancelled caller waits for it (``in_thread``):
+        a write may be reading the caller's memory, and its fd is closed only after."""
+        return await in_thread(fn, *args)
 
     def write(self, view: memoryview) -> None:
         assert self.fd is not None
@@ -392,24 +451,61 @@ class _Temp:
             n = os.write(self.fd, view)
             view = view[n:]
 
-    def commit(self, final: Path) -> None:
-        assert self.fd is not None
+    def commit(self) -> None:
+        """fsync the file, rename it to its final name and fsync the directory."""
+        assert self.fd is not None and self.dir_fd is not None
         os.fsync(self.fd)
         fd, self.fd = self.fd, None
         os.close(fd)
-        os.replace(self.path, final)
-        fsync_dir(final.parent)
+        os.replace(self.name, self.final.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        _fsync_fd(self.dir_fd, self.final.parent)
+        self._close_dir()
 
     async def discard(self) -> None:
-        if self._busy is not None:
-            await asyncio.wait([self._busy])  # never close an fd a thread still writes to
-        await asyncio.to_thread(self._remove)
+        await in_thread(self._remove)
 
     def _remove(self) -> None:
         if self.fd is not None:
             fd, self.fd = self.fd, None
             os.close(fd)
-        self.path.unlink(missing_ok=True)
+        if self.dir_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.name, dir_fd=self.dir_fd)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self.dir_fd is not None:
+            fd, self.dir_fd = self.dir_fd, None
+            os.close(fd)
+
+
+def _open_child(dir_fd: int, name: str, mode: int) -> int:
+    """Open directory ``name`` in ``dir_fd``, made with ``mode`` if missing, never through a
+    symbolic link (O_NOFOLLOW fails on one)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+    except FileExistsError:  # made by a concurrent put
+        return os.open(name, flags, dir_fd=dir_fd)
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept
+        _fsync_fd(dir_fd, name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _make_dirs(parent: Path, mode: int) -> None:
@@ -440,10 +536,16 @@ def _make_dirs(parent: Path, mode: int) -> None:
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
-    except OSError as exc:  # some network filesystems refuse directory fsync
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-        log.debug("directory fsync not supported on %s: %s", path, exc)
+        _fsync_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def _fsync_fd(fd: int, where: object) -> None:
+    """fsync an open directory; some network filesystems refuse that, which is no error."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+        log.debug("directory fsync not supported on %s: %s", where, exc)

@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl
 
 from flashckpt.errors import ConfigError
 
-from .base import Scope, Tier, TierSpec
+from .base import MIN_TEMP_GRACE_S, TEMP_GRACE_S, Scope, Tier, TierSpec
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +315,14 @@ def _check_options(spec: TierSpec, entry: TierEntry) -> None:
     if option(spec, "duty", 0.0, float) > 1:
         raise ConfigError(f"tier {spec.url}: duty={spec.options['duty']!r} is a share of the "
                           "time: give a number in (0, 1]")  # fmt: skip
-    if spec.scope is Scope.SHARED and option(spec, "temp_grace_s", 1.0, float) <= 0:
+    floor = MIN_TEMP_GRACE_S
+    if option(spec, "temp_grace_s", TEMP_GRACE_S, float) < floor:
         raise ConfigError(
-            f"tier {spec.url}: temp_grace_s=0 on a shared tier would remove the uploads other "
-            "nodes are writing now; give it more than the longest pause between two parts of "
-            "an upload (the default is 3600 seconds)"
+            f"tier {spec.url}: temp_grace_s={spec.options['temp_grace_s']} is below the floor "
+            f"of {floor:.0f} seconds: a younger leftover may be an upload still being written "
+            "(by this node's next round or by another node) paused between two writes, and "
+            "removing it would break that upload; give at least "
+            f"{floor:.0f} (the default is {TEMP_GRACE_S:.0f})"
         )
     for name in MODE_OPTIONS:
         if name in spec.options:

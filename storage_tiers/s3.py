@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import datetime
 from typing import Any, TypeVar
@@ -20,7 +21,11 @@ from typing import Any, TypeVar
 import botocore.exceptions
 import s3fs
 
-from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
+from flashckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    TierUnavailableError,
+)
 
 from .base import (
     Leftover,
@@ -31,6 +36,7 @@ from .base import (
     check_key,
     iter_chunks,
     size_error,
+    temp_name,
 )
 from .registry import as_bool, option
 from .s3_errors import DENIED_CODES, describe, error_code, transient
@@ -430,6 +436,22 @@ class S3Tier(Tier):
             if not page.get("IsTruncated"):
                 return total, newest
             kwargs["PartNumberMarker"] = page["NextPartNumberMarker"]
+
+    async def store_now(self) -> float:
+        """The LastModified S3 gives a probe object put now: the clock that dates uploads and
+        their parts. This node's clock where none can be put (a read-only bucket)."""
+        where = {"Bucket": self.bucket, "Key": self._key(temp_name("clock"))}
+        try:
+            await self._call("probe clock", "", "put_object", **where, Body=b"")
+            try:
+                head = await self._call("probe clock", "", "head_object", **where)
+            finally:
+                await self._call("probe clock", "", "delete_object", **where)
+            return head["LastModified"].timestamp()
+        except Exception as exc:  # any failure: the fallback below says so
+            log.info("%s: the store's clock cannot be read (%s); leftovers' ages are taken on "
+                     "this node's clock", self.spec.url, exc)  # fmt: skip
+            return time.time()
 
     async def remove_leftover(self, leftover: Leftover) -> None:
         await self._abort(leftover.key, self._key(leftover.key), leftover.name)

@@ -104,12 +104,11 @@ def test_job_name_with_a_newline_is_refused(shm_dir, monkeypatch, bad):
 
 
 def test_tier_and_slot_names_with_a_newline_are_not_read_as_steps_or_ranks(shm_dir):
-    assert layout.parse_keys("j", ["j/step-5\n/commit-n.json", "j/step-6/commit-n.json\n"]) == {
+    s5, s6 = layout.step_dir(5), layout.step_dir(6)
+    assert layout.parse_keys("j", [f"j/{s5}\n/commit-n.json", f"j/{s6}/commit-n.json\n"]) == {
         (0, 6): []
     }
-    assert layout.parse_keys("j", ["j/step-6/commit-n.json"]) == {
-        (0, 6): ["j/step-6/commit-n.json"]
-    }
+    assert layout.parse_keys("j", [f"j/{s6}/commit-n.json"]) == {(0, 6): [f"j/{s6}/commit-n.json"]}
     (shm_dir / "j").mkdir(parents=True)
     (shm_dir / "j" / "rank-3.slot-0\n").write_bytes(b"")
     (shm_dir / "j" / "rank-4.slot-1").write_bytes(b"")

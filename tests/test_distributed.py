@@ -105,7 +105,7 @@ LISTING = textwrap.dedent(
     """
     import asyncio, json, os, torch.distributed as dist
     from flashckpt import group
-    from flashckpt.format import tier_io
+    from flashckpt.format import layout, tier_io
     from flashckpt.restore.sources import TierSource, run_with_tier
 
     dist.init_process_group("gloo")
@@ -113,6 +113,8 @@ LISTING = textwrap.dedent(
     url = os.environ["TIER"]
     if rank == 0:  # step 7 committed by two "nodes" for ranks 0-1 and 2
         async def commit(tier):
+            for r in range(world):  # a rank counts where its manifest is stored
+                await tier.put(layout.manifest_key("lst", 7, r), [memoryview(b"{}")], 2)
             await tier_io.commit_step(tier, "lst", 7, "a", [0, 1], world)
             await tier_io.commit_step(tier, "lst", 7, "b", [2], world)
         run_with_tier(url, commit)

@@ -28,6 +28,8 @@ def test_markers_of_an_earlier_run_never_complete_a_step_with_a_newer_ones(tmp_p
     async def go():
         tier = open_tier(url)
         try:
+            for step, rank in [(s, r) for s in (6, 7) for r in range(4)]:  # a rank counts once
+                await tier.put(layout.manifest_key("j", step, rank), [memoryview(b"{}")], 2)
             # Step 7 of a 4-rank job: node0 of the new run (2) and a zombie node1 of run 1.
             await tier_io.commit_step(tier, "j", 7, "node0", [0, 1], 4, incarnation=2)
             await tier_io.commit_step(tier, "j", 7, "node1", [2, 3], 4, incarnation=1)

@@ -380,6 +380,34 @@ class TestTierContract:
 
         run(go())
 
+    def test_leftovers_are_aged_on_the_stores_clock_not_the_nodes(
+        self, case: TierCase, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A node whose clock runs two hours ahead takes no young leftover (another node's
+        live upload) for a dead one; one the store dates two hours back goes."""
+        import time
+
+        real = time.time
+
+        async def go(grace: float) -> list[str]:
+            tier = case.open()
+            try:
+                return [t.key for t in await tier.clean_temporaries("job/", grace)]
+            finally:
+                await tier.close()
+
+        case.leave_temporary("job/step-2/rank-0/data")
+        monkeypatch.setattr(time, "time", lambda: real() + 7200)  # this node's clock, ahead
+        assert run(go(3600)) == []
+        assert len(case.leftovers()) == 1
+        monkeypatch.setattr(time, "time", real)
+        if case.root is not None:  # the store's own clock dated it two hours back
+            for path in case.root.rglob(".tmp-*"):
+                os.utime(path, (real() - 7200, real() - 7200))
+            assert run(go(3600)) == ["job/step-2/rank-0/data"]
+            assert case.leftovers() == []
+        assert run(go(0)) == ([] if case.root is not None else ["job/step-2/rank-0/data"])
+
     @pytest.mark.parametrize("bad", ["../escape", "/abs/key", "a//b", "a/./b", ".tmp-x", ""])
     def test_keys_that_could_escape_are_refused(self, case: TierCase, bad: str) -> None:
         async def go() -> None:

@@ -6,7 +6,9 @@ of the current branch (and every M-th) stay, older ones go, with uncommitted lef
 than the newest committed step and what crashed uploads left (temporaries, unfinished
 uploads, and the step directories that held only those) once older than the tier's
 ``temp_grace_s``; each is listed with its size. K must be at least 1, so the newest committed
-step is never removed; ``--dry-run`` lists what would go.
+step is never removed; ``--dry-run`` lists what would go. Stray names under the job (not a
+step or rank name flashckpt writes, see ``layout.strays``) are listed as kept: gc never
+removes them.
 
 ``gc shm`` removes the slot files (and the agents' stale socket, pid and controller files in
 ``FLASHCKPT_RUN_DIR``) of every job on this node whose processes are gone: no live agent holds
@@ -49,7 +51,7 @@ from .common import (
     run_dir,
     shm_dir,
 )
-from .locations import TierLocation, job_at, newest_key
+from .locations import TierLocation, job_at, newest_key, stray_line
 
 NAME = "gc"
 HELP = "apply retention to a tier's job, or remove dead jobs' files from this node ('gc shm')"
@@ -79,6 +81,7 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     async with TierLocation(url) as loc:
         job = await job_at(loc, chosen_job(args))
         listing = await loc.listing(job)
+        strays = await loc.strays(job)
         newest = newest_key(listing, None)
         grace = option(loc.tier.spec, "temp_grace_s", TEMP_GRACE_S, float)
         retention = (job, args.keep_last, args.keep_every, grace)
@@ -98,7 +101,7 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     leftovers = [{"key": t.key, "bytes": t.size, "age_s": round(time.time() - t.modified, 1)}
                  for t in retired.leftovers]  # fmt: skip
     return {"location": loc.shown, "job": job, "removed": steps, "kept": kept,
-            "leftovers_removed": leftovers,
+            "leftovers_removed": leftovers, "strays": strays,
             "newest_committed": newest[1] if newest else None}  # fmt: skip
 
 
@@ -228,5 +231,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             size = "size unknown" if t["bytes"] is None else f"{t['bytes']} bytes"
             out.line(f"  {verb} what a crashed write of {t['key']} left: {size}, "
                      f"{t['age_s']:.0f}s old")  # fmt: skip
+        for name in doc["strays"]:
+            out.line(f"  kept {stray_line(doc['location'], name)}")
     out.document({"command": NAME, "ok": True, "dry_run": args.dry_run, **doc})
     return OK

@@ -89,9 +89,7 @@ def commit_state(c: tier_io.CommittedStep | None) -> str:
         else " committed"
     )
     if c.problems:
-        what += f", corrupt: {len(c.problems)} commit marker(s) unreadable: " + "; ".join(
-            c.problems
-        )
+        what += f", corrupt: {len(c.problems)} problem(s): " + "; ".join(c.problems)
     return what
 
 

@@ -100,18 +100,16 @@ class TierLocation:
     async def listing(self, job: str) -> tier_io.Listing:
         return await tier_io.list_steps(self.tier, job)
 
+    async def strays(self, job: str) -> list[str]:
+        """The names under the job that are no part of a step (``layout.strays``)."""
+        return layout.strays(job, await self.tier.list(f"{job}/"))
+
     async def steps(self, job: str, progress: Progress) -> tuple[list[StepInfo], list[str]]:
-        keys = await self.tier.list(f"{job}/")
+        found = layout.scan(job, await self.tier.list(f"{job}/"))
         listing = await self.listing(job)
-        ranks: dict[str, list[int]] = {}
-        for key in keys:
-            parts = key.split("/")
-            if len(parts) == 4 and parts[2].startswith("rank-") and parts[3] == "manifest.json":
-                with contextlib.suppress(ValueError):
-                    ranks.setdefault("/".join(parts[:2]), []).append(int(parts[2][5:]))
         infos = []
         for (gen, step), c in sorted(listing.items(), key=lambda kc: (kc[0][1], kc[0][0])):
-            present = sorted(ranks.get(layout.step_prefix(job, step, gen), []))
+            present = sorted(found[gen, step].manifests) if (gen, step) in found else []
             problems = list(c.problems) if c is not None else []
             infos.append(StepInfo(gen, step, present, c, problems=problems))
         progress.add_total(sum(len(i.present) for i in infos))
@@ -172,6 +170,10 @@ class ShmLocation:
             if d.is_dir() and not d.is_symlink() and (ranks := ranks_in(self.dir, d.name)):
                 out[d.name] = len(ranks)
         return out
+
+    async def strays(self, job: str) -> list[str]:
+        """None: slot files are found by their own names (``ranks_in``)."""
+        return []
 
     def held(self, job: str) -> tuple[list[Held], list[str]]:
         """Every READY slot of the job, and why the slots that hold none cannot be read."""
@@ -261,6 +263,13 @@ def _as_listing(held: list[Held]) -> tier_io.Listing:
         out[key] = tier_io.CommittedStep(key[1], ranks, world, (), lineage,
                                          incarnation=incarnation)  # fmt: skip
     return out
+
+
+def stray_line(where: str, name: str) -> str:
+    """What the CLI says of a stray name (``layout.strays``) under a job."""
+    return (f"stray {name} in {where}: not a name flashckpt writes (steps are "
+            "step-<12 digits>[.g<G>]/rank-<R>/...); ignored: it is no step, never restored and "
+            "never removed by retention or gc; remove it by hand if nothing needs it")  # fmt: skip
 
 
 def open_location(url: str, shm_dir: Path) -> TierLocation | ShmLocation:

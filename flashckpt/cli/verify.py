@@ -37,7 +37,15 @@ from .common import (
     shm_dir,
     step_arg,
 )
-from .locations import ShmLocation, TierLocation, committed_in, job_at, newest_key, open_location
+from .locations import (
+    ShmLocation,
+    TierLocation,
+    committed_in,
+    job_at,
+    newest_key,
+    open_location,
+    stray_line,
+)
 
 NAME = "verify"
 HELP = "re-read a stored step and check every chunk against its checksum"
@@ -256,6 +264,7 @@ async def verify_at(url: str, args: argparse.Namespace, progress: Progress) -> R
 
 async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progress) -> None:
     job = report.job = await job_at(loc, chosen_job(args))
+    report.notes += [stray_line(loc.shown, name) for name in await loc.strays(job)]
     listing = await loc.listing(job)
     done = committed_in(listing)
     key = newest_key(listing, args.step)

@@ -8,7 +8,14 @@ Steps of generation G >= 1 (saved after a restore that went back, see ``lineage`
 ``step-<N>.g<G>`` instead, apart from the abandoned steps of the same number. A step is
 committed in a tier when the ranks named by its commit markers of one incarnation of the job
 cover the world (in a node-local tier: name the node's ranks); markers of an older
-incarnation than the newest a step has are not counted.
+incarnation than the newest a step has are not counted, and a rank counts only where its
+manifest is stored.
+
+Only canonical names count: ``step-`` with the step in 12 digits or more (no leading zero
+beyond those), ``rank-`` with no leading zero. Anything else under a job (``step-1``,
+``step-99``, ``rank-01``) is a stray: never a step, never listed, never removed by retention,
+reported by ``flashckpt verify`` and ``gc``. A stray copy cannot merge with a real step or
+make retention count it.
 """
 
 from __future__ import annotations
@@ -32,8 +39,28 @@ MAX_WORLD_SIZE = 1 << 24
 """A marker naming a larger world is corrupt (no job has this many ranks)."""
 
 
+def step_dir(step: int, generation: int = 0) -> str:
+    """A step's directory name: the only name its keys are ever stored or found under."""
+    return f"step-{step:012d}" + (f".g{generation}" if generation else "")
+
+
 def step_prefix(job: str, step: int, generation: int = 0) -> str:
-    return f"{job}/step-{step:012d}" + (f".g{generation}" if generation else "")
+    return f"{job}/{step_dir(step, generation)}"
+
+
+def parse_step(name: str) -> tuple[int, int] | None:
+    """(generation, step) of a canonical step directory name; None for anything else."""
+    m = _STEP.fullmatch(name)
+    if m is None:
+        return None
+    key = (int(m.group(2) or 0), int(m.group(1)))
+    return key if step_dir(key[1], key[0]) == name else None
+
+
+def parse_rank(name: str) -> int | None:
+    """The rank of a canonical rank directory name (``rank-3``); None for anything else."""
+    m = _RANK.fullmatch(name)
+    return int(m.group(1)) if m and name == f"rank-{int(m.group(1))}" else None
 
 
 def data_key(job: str, step: int, rank: int, generation: int = 0) -> str:
@@ -91,24 +118,66 @@ class CommitMarker:
                    doc.get("incarnation", 0))  # fmt: skip
 
 
-def parse_keys(job: str, keys: list[str]) -> dict[tuple[int, int], list[str]]:
-    """Group a tier listing of ``job/`` by step: {(generation, step): [commit-marker keys]}."""
-    steps: dict[tuple[int, int], list[str]] = {}
+@dataclass(frozen=True)
+class StepKeys:
+    """What a listing holds of one step: its commit markers' keys, the ranks whose manifest
+    is stored."""
+
+    markers: tuple[str, ...] = ()
+    manifests: frozenset[int] = frozenset()
+
+
+_RANK_FILES = ("data", "manifest.json")
+
+
+def scan(job: str, keys: list[str]) -> dict[tuple[int, int], StepKeys]:
+    """Group a tier listing of ``job/`` by canonical step: {(generation, step): StepKeys}."""
+    markers: dict[tuple[int, int], list[str]] = {}
+    manifests: dict[tuple[int, int], set[int]] = {}
     for key in keys:
         parts = key.split("/")
-        if len(parts) < 3 or parts[0] != job or not (m := _STEP.fullmatch(parts[1])):
+        if len(parts) < 3 or parts[0] != job or (step := parse_step(parts[1])) is None:
             continue
-        markers = steps.setdefault((int(m.group(2) or 0), int(m.group(1))), [])
+        found = markers.setdefault(step, [])
         if len(parts) == 3 and _COMMIT.fullmatch(parts[2]):
-            markers.append(key)
-    return steps
+            found.append(key)
+        elif parts[3:] == ["manifest.json"] and (rank := parse_rank(parts[2])) is not None:
+            manifests.setdefault(step, set()).add(rank)
+    return {k: StepKeys(tuple(m), frozenset(manifests.get(k, ()))) for k, m in markers.items()}
+
+
+def parse_keys(job: str, keys: list[str]) -> dict[tuple[int, int], list[str]]:
+    """Group a tier listing of ``job/`` by step: {(generation, step): [commit-marker keys]}."""
+    return {k: list(found.markers) for k, found in scan(job, keys).items()}
+
+
+def strays(job: str, keys: list[str]) -> list[str]:
+    """The names under ``job/`` in a tier listing that are no part of a step: a step or rank
+    directory of a name flashckpt never writes (``step-1``, ``rank-01``), or anything else
+    besides a step's commit markers and its ranks' data and manifest. Each is ignored by
+    listings, commits and retention, and never removed by them."""
+    found: set[str] = set()
+    for key in keys:
+        parts = key.split("/")
+        if not parts or parts[0] != job:
+            continue
+        if len(parts) < 3 or parse_step(parts[1]) is None:
+            found.add("/".join(parts[:2]))
+        elif len(parts) == 3:
+            if not _COMMIT.fullmatch(parts[2]):
+                found.add(key)
+        elif parse_rank(parts[2]) is None:
+            found.add("/".join(parts[:3]))
+        elif len(parts) != 4 or parts[3] not in _RANK_FILES:
+            found.add(key)
+    return sorted(found)
 
 
 def written_by(job: str, key: str, node: str, ranks: Collection[int]) -> bool:
     """True if ``key`` (of ``job``) is one ``node`` writes: a shard of one of its ``ranks``, or
     its own commit marker."""
     parts = key.split("/")
-    if len(parts) < 3 or parts[0] != job or not _STEP.fullmatch(parts[1]):
+    if len(parts) < 3 or parts[0] != job or parse_step(parts[1]) is None:
         return False
-    rank = _RANK.fullmatch(parts[2])
-    return parts[2] == f"commit-{node}.json" or (rank is not None and int(rank.group(1)) in ranks)
+    rank = parse_rank(parts[2])
+    return parts[2] == f"commit-{node}.json" or (rank is not None and rank in ranks)

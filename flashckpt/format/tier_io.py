@@ -106,8 +106,9 @@ async def commit_step(
 @dataclass(frozen=True)
 class CommittedStep:
     """What a step's commit markers say; ``problems`` names the markers that do not parse or
-    belong to another generation (their ranks count as not committed). ``node_local``: the
-    markers are of a node-local tier, which holds only its node's ranks of the job.
+    belong to another generation, and the ranks they name whose manifests are not stored
+    (those ranks count as not committed). ``node_local``: the markers are of a node-local
+    tier, which holds only its node's ranks of the job.
 
     ``incarnation``: the newest run of the job that committed ranks of the step. Only its
     markers count: a writer of an earlier run (a partitioned node's agent still uploading, a
@@ -213,11 +214,11 @@ async def list_steps(tier, job: str) -> Listing:
     keys = await tier.list(f"{job}/")
     node_local = tier.spec.scope is Scope.NODE
     out: Listing = {}
-    for (gen, step), markers in layout.parse_keys(job, keys).items():
-        if not markers:
+    for (gen, step), found in layout.scan(job, keys).items():
+        if not found.markers:
             out[gen, step] = None
             continue
-        read = await asyncio.gather(*(_marker(tier, k) for k in markers))
+        read = await asyncio.gather(*(_marker(tier, k) for k in found.markers))
         parsed = [m for m in read if isinstance(m, layout.CommitMarker)]
         problems = [m for m in read if isinstance(m, str)]
         for m in [m for m in parsed if m.lineage.generation != gen]:
@@ -232,11 +233,24 @@ async def list_steps(tier, job: str) -> Listing:
                      job, superseded, incarnation)  # fmt: skip
             parsed = [m for m in parsed if m.incarnation == incarnation]
         ranks = frozenset(r for m in parsed for r in m.ranks)
+        if missing := sorted(ranks - found.manifests):
+            problems.append(_no_manifests(tier, step, gen, missing))
+            ranks &= found.manifests
         world = max((m.world_size for m in parsed), default=0)
         lineage = parsed[0].lineage if parsed else Lineage()
         out[gen, step] = CommittedStep(step, ranks, world, tuple(problems), lineage, node_local,
                                        incarnation)  # fmt: skip
     return out
+
+
+def _no_manifests(tier, step: int, generation: int, ranks: list[int]) -> str:
+    """Why ranks a commit marker names do not count: their manifests are not stored."""
+    shown = ranks if len(ranks) <= 8 else f"{ranks[:8]} and {len(ranks) - 8} more"
+    message = (f"{tier.spec.url}: {layout.step_dir(step, generation)}: the commit markers name ranks {shown}, whose "
+               "manifests are not stored there; those ranks do not count as committed (a stray "
+               "or cut-short copy), restore from another tier or an older step")  # fmt: skip
+    log.warning("%s", message)
+    return message
 
 
 def complete(listing: Listing) -> dict[tuple[int, int], CommittedStep]:
