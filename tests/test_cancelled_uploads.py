@@ -24,7 +24,6 @@ from flashckpt.agent.persist import _all_or_none
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.storage_tiers import open_tier
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
-from test_peer_store import nodes  # noqa: F401 - the fixture that starts real replica stores
 
 from flashckpt.errors import TierUnavailableError
 
@@ -126,7 +125,7 @@ def slow_fsspec() -> str:
 
 
 def test_a_failed_round_returns_only_after_every_upload_stopped_reading(
-    nodes,  # noqa: F811
+    nodes,
     slow_fsspec: str,
     tmp_path: Path,
 ):
