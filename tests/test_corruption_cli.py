@@ -104,7 +104,7 @@ def test_list_and_verify_show_a_corrupt_commit_marker_as_corrupt(nvme):
     listed = cli("list", "--job", JOB, "--tier", url)
     assert listed.returncode == 0, listed.stderr
     assert f"step {STEP_OLD}: ranks [0] of 1 committed" in listed.stdout
-    assert f"step {STEP_NEW}: ranks [] of 0 partial, corrupt: 1 commit marker(s)" in listed.stdout
+    assert f"step {STEP_NEW}: ranks [] of 0 partial, corrupt: 1 problem(s)" in listed.stdout
     assert marker in listed.stdout
     out = cli("verify", "--job", JOB, "--tier", url, "--step", str(STEP_NEW))
     assert out.returncode == 1 and marker in out.stderr and "Traceback" not in out.stderr

@@ -143,8 +143,12 @@ from flashckpt import Checkpointer
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 state = {"w": torch.zeros(64), "step": None}
-step = Checkpointer(sys.argv[1]).restore(state)
-print("restored", step, state["step"], float(state["w"][0]) - 100 * rank, flush=True)
+# Closed, as a trainer ends: a rank that vanished unclosed would be a failure the controller
+# answers by killing the round's other workers.
+with Checkpointer(sys.argv[1]) as ck:
+    step = ck.restore(state)
+    print("restored", step, state["step"], float(state["w"][0]) - 100 * rank, flush=True)
+    dist.barrier()
 dist.destroy_process_group()
 """
 
