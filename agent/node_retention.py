@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from flashckpt.storage_tiers.base import Scope, TierSpec
-
 from flashckpt.format.retention import Common
 
 from .common_steps import ANSWERED, REPORTED
@@ -26,11 +24,6 @@ from .common_steps import ANSWERED, REPORTED
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (generation, step)
-
-
-def takes_part(spec: TierSpec) -> bool:
-    """Whether a tier keeps steps by what every node holds: a node-local storage tier."""
-    return spec.scope is Scope.NODE and spec.scheme != "peer"
 
 
 class LearnedCommon:

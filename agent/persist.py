@@ -29,11 +29,12 @@ from flashckpt.errors import SharedMemoryError
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Entry, Manifest
+from flashckpt.format.retention import takes_part
 from flashckpt.format.sealed import bare_entries
 from flashckpt.format.slot import Slot
 from flashckpt.snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 
-from .node_retention import LearnedCommon, takes_part
+from .node_retention import LearnedCommon
 from .trainers import Trainers
 
 log = logging.getLogger(__name__)

@@ -359,7 +359,8 @@ def test_gc_applies_retention_and_never_removes_the_newest_committed_step(tmp_pa
 
 def test_a_node_tier_of_a_multi_node_job_is_pruned_online_and_offline(tmp_path):
     """Each node's own directory holds only its ranks and its commit markers: its steps are
-    committed for those ranks, so retention (the agent's and ``flashckpt gc``'s) applies."""
+    committed for those ranks. Retention given only this node's view prunes them; offline,
+    ``flashckpt gc`` keeps every step other nodes may need unless told ``--node-alone``."""
     root = tmp_path / "nvme1"
     url = f"file://{root}"
 
@@ -378,7 +379,14 @@ def test_a_node_tier_of_a_multi_node_job_is_pruned_online_and_offline(tmp_path):
             await tier.close()
 
     assert asyncio.run(go()) == [3, 4, 5]
-    done = cli("gc", url, "--keep-last", "1")
+    # Offline, gc cannot know which of these steps the other nodes hold: it keeps them all
+    # and says why, unless told that this node's steps alone count.
+    kept = cli("gc", url, "--keep-last", "1")
+    assert kept.returncode == 0, kept.stderr
+    assert "kept 2 committed step(s) past --keep-last" in kept.stdout, kept.stdout
+    assert "--node-alone" in kept.stdout
+    assert len(list(root.joinpath("job").iterdir())) == 3
+    done = cli("gc", url, "--keep-last", "1", "--node-alone")
     assert done.returncode == 0, done.stderr
     assert [p.name for p in root.joinpath("job").iterdir()] == ["step-000000000005"]
     shared = tmp_path / "pfs"

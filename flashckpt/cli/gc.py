@@ -6,7 +6,9 @@ of the current branch (and every M-th) stay, older ones go, with uncommitted lef
 than the newest committed step and what crashed uploads left (temporaries, unfinished
 uploads, and the step directories that held only those) once older than the tier's
 ``temp_grace_s``; each is listed with its size. K must be at least 1, so the newest committed
-step is never removed; ``--dry-run`` lists what would go. Stray names under the job (not a
+step is never removed; ``--dry-run`` lists what would go. On a node-local tier of a
+multi-node job, committed steps other nodes may lack are kept (offline, which steps every
+node holds cannot be known) unless ``--node-alone``. Stray names under the job (not a
 step or rank name flashckpt writes, see ``layout.strays``) are listed as kept: gc never
 removes them.
 
@@ -34,6 +36,7 @@ from ..faults.agent_client import agent_pid_path, socket_path
 from ..faults.events import events_path
 from ..faults.heartbeat import Phase, pages
 from ..format import tier_io
+from ..format.retention import Common, takes_part
 from ..pidfile import PidFileBusy, holder, lock_pidfile, pid_alive
 from ..snapshot.slots import free_rank, owner_path, unowned
 from ..storage_tiers.base import TEMP_GRACE_S
@@ -71,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the newest K committed steps (at least 1; required for a tier)")  # fmt: skip
     p.add_argument("--keep-every", type=_positive, default=None, metavar="M",
                    help="also keep every committed step whose number is a multiple of M")  # fmt: skip
+    p.add_argument("--node-alone", action="store_true",
+                   help="a node-local tier of a multi-node job: apply --keep-last to this node's "
+                        "steps alone, even to steps other nodes may not hold")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.add_argument("--logs", action="store_true",
                    help="gc shm: also remove dead jobs' agent logs and event logs")  # fmt: skip
@@ -85,12 +91,21 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
         newest = newest_key(listing, None)
         grace = option(loc.tier.spec, "temp_grace_s", TEMP_GRACE_S, float)
         retention = (job, args.keep_last, args.keep_every, grace)
-        retired = await tier_io.apply_retention(loc.tier, *retention, dry_run=True)
+        # A node-local tier holds its node's ranks only: offline, which steps every other node
+        # holds cannot be known, so no committed step goes that the job may need from it
+        # (as the agent, which learns them from the controller, would keep them too).
+        common = None if args.node_alone or not takes_part(loc.tier.spec) else Common()
+        retired = await tier_io.apply_retention(loc.tier, *retention, dry_run=True,
+                                                common=common)  # fmt: skip
         if newest in retired.steps:  # it keeps the newest with K >= 1; never trust that blindly
             raise Problem(f"retention would remove the newest committed step {newest[1]}; "
                           "nothing was removed")  # fmt: skip
+        held_back = 0
+        if common is not None:
+            alone = await tier_io.apply_retention(loc.tier, *retention, dry_run=True)
+            held_back = len(set(alone.steps) - set(retired.steps))
         if not args.dry_run:
-            retired = await tier_io.apply_retention(loc.tier, *retention)
+            retired = await tier_io.apply_retention(loc.tier, *retention, common=common)
     doomed = retired.steps
     states = {k: ("uncommitted" if c is None else "committed" if c.complete else "partial")
               for k, c in listing.items()}  # fmt: skip
@@ -101,7 +116,7 @@ async def _tier_gc(args: argparse.Namespace, url: str) -> dict[str, Any]:
     leftovers = [{"key": t.key, "bytes": t.size, "age_s": round(time.time() - t.modified, 1)}
                  for t in retired.leftovers]  # fmt: skip
     return {"location": loc.shown, "job": job, "removed": steps, "kept": kept,
-            "leftovers_removed": leftovers, "strays": strays,
+            "leftovers_removed": leftovers, "strays": strays, "held_back": held_back,
             "newest_committed": newest[1] if newest else None}  # fmt: skip
 
 
@@ -227,6 +242,13 @@ def run(args: argparse.Namespace, out: Output) -> int:
         for s in doc["removed"]:
             gen = f" (generation {s['generation']})" if s["generation"] else ""
             out.line(f"  {verb} step {s['step']}{gen}: {s['state']}")
+        if doc["held_back"]:
+            out.line(f"  kept {doc['held_back']} committed step(s) past --keep-last: this "
+                     "node-local tier holds only its node's ranks, and which of its steps every "
+                     "other node of the job holds cannot be known here (the agent prunes it by "
+                     "the steps every node holds, learned from the controller). A step whose "
+                     "commit marker names every rank of the job is pruned as usual; pass "
+                     "--node-alone to prune this node's steps alone")  # fmt: skip
         for t in doc["leftovers_removed"]:
             size = "size unknown" if t["bytes"] is None else f"{t['bytes']} bytes"
             out.line(f"  {verb} what a crashed write of {t['key']} left: {size}, "

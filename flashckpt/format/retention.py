@@ -16,10 +16,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..storage_tiers.base import Scope, TierSpec
 from .lineage import Lineage
 
 Key = tuple[int, int]
 """A stored step's (generation, step)."""
+
+
+def takes_part(spec: TierSpec) -> bool:
+    """Whether a tier keeps steps by what every node holds: a node-local storage tier (not
+    ``peer://``, whose replicas in memory keep only the newest step)."""
+    return spec.scope is Scope.NODE and spec.scheme != "peer"
 
 
 @dataclass(frozen=True)
