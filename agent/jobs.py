@@ -18,6 +18,12 @@ from .trainers import Trainers
 log = logging.getLogger(__name__)
 
 
+async def _started(worker: TierWorker) -> None:
+    """Learn what the tier holds, then persist to it until stopped."""
+    await worker.start()
+    await worker.run()
+
+
 class Job:
     def __init__(self, name: str, shm_dir: Path, node: str, metrics=None):
         self.name, self.shm_dir, self.node, self.metrics = name, shm_dir, node, metrics
@@ -35,8 +41,9 @@ class Job:
             trainers=self.trainers, owned=self.owned, common=self.common,
         )  # fmt: skip
         self.workers[url] = worker
-        await worker.start()
-        self._tasks.append(asyncio.create_task(worker.run(), name=f"persist {redact(url)}"))
+        # Started in its own task: a tier slow to list (a holder that hangs, a throttled
+        # store) never holds up the trainer registering, and so its restore.
+        self._tasks.append(asyncio.create_task(_started(worker), name=f"persist {redact(url)}"))
         log.info("job %s: persisting to %s (%s)", self.name, redact(url), worker.state.scope)
         return worker
 

@@ -5,6 +5,7 @@ node being restored is lost whole first (its agent killed, its shared memory wip
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -58,16 +59,24 @@ def saved(ck: Checkpointer, step: int, state: dict, *tiers: str) -> None:
         assert ck.wait(step, tier=tier, timeout=60) == step
 
 
+def lost_after_saving(cluster, shm_dir, tmp_path, step: int) -> tuple[str, dict]:
+    """node0 of ``cluster`` saves ``step`` to its peer and to its disk, then is lost whole;
+    the disk tier's URL and the state saved."""
+    job = cluster.job
+    cluster.as_node("node0")
+    disk = f"file://{tmp_path / 'nvme'}"
+    state = {"w": torch.randn(1000)}
+    with Checkpointer(PEER, disk, job=job) as ck:
+        saved(ck, step, state, PEER, disk)
+    lose_node(cluster.run_dir("node0"), shm_dir, job)
+    return disk, state
+
+
 def test_a_holder_whose_store_is_gone_is_skipped_and_the_tier_restores(
     nodes, shm_dir, tmp_path, events
 ):
     cluster = nodes(["node0", "node1"], job="gone")
-    cluster.as_node("node0")
-    disk = f"file://{tmp_path / 'nvme'}"
-    state = {"w": torch.randn(1000)}
-    with Checkpointer(PEER, disk, job="gone") as ck:
-        saved(ck, 3, state, PEER, disk)
-    lose_node(cluster.run_dir("node0"), shm_dir, "gone")
+    disk, state = lost_after_saving(cluster, shm_dir, tmp_path, 3)
     cluster.stop_store("node1")  # the holder's agent died too; the controller still lists it
     fresh = {"w": torch.zeros(1000)}
     with Checkpointer(PEER, disk, job="gone") as ck:
@@ -84,12 +93,7 @@ def test_a_holder_that_takes_the_connection_and_never_answers_costs_a_few_second
     nodes, shm_dir, tmp_path, events
 ):
     cluster = nodes(["node0", "node1"], job="mute")
-    cluster.as_node("node0")
-    disk = f"file://{tmp_path / 'nvme'}"
-    state = {"w": torch.randn(1000)}
-    with Checkpointer(PEER, disk, job="mute") as ck:
-        saved(ck, 4, state, PEER, disk)
-    lose_node(cluster.run_dir("node0"), shm_dir, "mute")
+    disk, state = lost_after_saving(cluster, shm_dir, tmp_path, 4)
     # node1 now answers on an address whose connections are taken (the kernel's backlog)
     # and never read: a holder that hangs.
     with socket.create_server(("127.0.0.1", 0)) as mute:
@@ -208,12 +212,7 @@ def test_a_controller_that_is_down_while_a_node_restores_costs_the_replica_only(
     # The controller restarts while the lost node's ranks restore: who holds the replica
     # cannot be asked, so the peer tier is skipped and the tiers serve the restore.
     cluster = nodes(["node0", "node1"], job="ctl")
-    cluster.as_node("node0")
-    disk = f"file://{tmp_path / 'nvme'}"
-    state = {"w": torch.randn(1000)}
-    with Checkpointer(PEER, disk, job="ctl") as ck:
-        saved(ck, 6, state, PEER, disk)
-    lose_node(cluster.run_dir("node0"), shm_dir, "ctl")
+    disk, state = lost_after_saving(cluster, shm_dir, tmp_path, 6)
     cluster.controller.stop()
     fresh = {"w": torch.zeros(1000)}
     began = time.monotonic()
@@ -224,3 +223,28 @@ def test_a_controller_that_is_down_while_a_node_restores_costs_the_replica_only(
     assert took < PEER_TIMEOUT_S + 8, took
     [skip] = events("restore_source_skipped")
     assert "cannot list the nodes" in skip["why"], skip
+
+
+def test_an_agent_takes_a_trainer_while_a_tier_it_lists_at_start_hangs(nodes, shm_dir):
+    # A restore registers its rank with the node's agent first: a tier the agent lists at
+    # start (here a holder that hangs) must not hold that up, nor so the restore.
+    from flashckpt.agent.jobs import Job
+
+    cluster = nodes(["node0", "node1"], job="slow")
+    cluster.as_node("node0")
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        cluster.report_address("node1", f"127.0.0.1:{mute.getsockname()[1]}")
+        job = Job("slow", shm_dir, "node0")
+
+        async def go():
+            began = time.monotonic()
+            worker = await job.add_tier(PEER)
+            took = time.monotonic() - began
+            await asyncio.sleep(PEER_TIMEOUT_S + 1)  # its listing gives up in its own task
+            state = (worker.state.healthy, worker.state.last_error)
+            await job.drain(10)
+            return took, state
+
+        took, (healthy, error) = asyncio.run(go())
+    assert took < 1.0, took
+    assert not healthy and "stopped answering" in error, error
