@@ -453,6 +453,7 @@ def _recovery_gate(controller: Controller, host: str, port: int, token: str):
     """Under in-process recovery, the job's recovery store, next to the controller (no node
     serves it then): at FLASHCKPT_RECOVERY_STORE, else the controller's port + 1, where every
     node's launcher looks for it."""
+    from flashckpt.faults.descriptors import prepare_store
     from flashckpt.faults.inprocess import STORE_ENV
     from flashckpt.faults.store_gate import StoreGate
 
@@ -460,6 +461,7 @@ def _recovery_gate(controller: Controller, host: str, port: int, token: str):
         f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
     )
     gate_host, gate_port = control.split_address(address, STORE_ENV)
+    prepare_store()  # the job's size is not known here: the limit raised and logged
     try:
         gate = StoreGate(gate_host, gate_port, token.encode())
     except OSError as exc:

@@ -306,6 +306,7 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
     itself where this launcher can bind its address, or runs alone; a tunnel to it
     otherwise, see ``store_gate``), its loopback address for the workers, the warm standbys
     and the agent that replaces a lost worker. Returns what must stay referenced."""
+    from .descriptors import clients_needed, prepare_store, raise_soft_limit
     from .inprocess import ROUND_FILE_ENV, STORE_ENV, Budget, nccl_environment
     from .inprocess_agent import install
     from .store_gate import LoopbackStore, StoreGate, StoreTunnel
@@ -315,7 +316,9 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
         os.environ[name] = value
 
     single = args.standalone or str(args.nnodes) in ("1", "1:1")
+    raise_soft_limit()  # the store, or this node's tunnel, holds descriptors per client
     if single:  # nobody else to reach it: the store on loopback alone
+        prepare_store(clients_needed(1, args.nproc_per_node))
         keep: Any = LoopbackStore()
         local = f"127.0.0.1:{keep.port}"
     else:
@@ -332,6 +335,11 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
             keep = StoreGate(host, port, token.encode())
             local = f"127.0.0.1:{keep.store_port}"
             log.info("serving the job's recovery store on %s", keep.address)
+            try:
+                prepare_store(clients_needed(args.nnodes, args.nproc_per_node))
+            except FlashCkptError:
+                keep.close()
+                raise
         except OSError:  # another node's (or the standalone controller's) address
             keep = StoreTunnel(host, port, token.encode())
             local = keep.address
