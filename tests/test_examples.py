@@ -5,6 +5,8 @@ checkpoints, and the final parameters equal those of an undisturbed run, bit for
 DDP and FSDP2 run under ``flashckpt-run --max-restarts=1``, which restarts the workers after
 the kill; DeepSpeed runs under DeepSpeed's own launcher on CPU, whose run fails with the
 killed rank, and the same command run again resumes through ``load_checkpoint``.
+
+The Kubernetes controller example is read, and its ports checked against its settings.
 """
 
 from __future__ import annotations
@@ -153,3 +155,26 @@ def test_deepspeed_launcher_run_killed_then_rerun_resumes_through_load_checkpoin
     resumed, sha = final(out)
     assert resumed == str(kill_at)
     assert sha == ref_sha, "the resumed run's parameters differ from the undisturbed run's"
+
+
+def test_the_kubernetes_controller_service_exposes_the_controller_and_the_recovery_store():
+    """Under in-process recovery the standalone controller serves the recovery store too: the
+    example fixes the store's port and exposes it, in the pod and in the Service."""
+    import yaml
+
+    from flashckpt.faults import control
+    from flashckpt.faults.inprocess import STORE_ENV
+
+    path = EXAMPLES / "kubernetes" / "controller.yaml"
+    deployment, service = yaml.safe_load_all(path.read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    store_port = control.split_address(env[STORE_ENV], STORE_ENV)[1]
+    bind = container["command"][container["command"].index("--bind") + 1]
+    wanted = {"controller": control.split_address(bind)[1], "recovery-store": store_port}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == wanted
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        name: (port, port) for name, port in wanted.items()
+    }
+    name = service["metadata"]["name"]
+    assert f"{STORE_ENV}={name}:{store_port}" in path.read_text()
