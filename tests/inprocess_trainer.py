@@ -12,6 +12,9 @@ errors, so only the recovery budget stops it). Every time
 ``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=... groups=...``, what the tests compare
 across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
 
+``FT_CRASH_AFTER_CLOSE``: ranks (comma-separated) that exit with status 1 after their last
+step and ``ckpt.close()``, as a crash in teardown.
+
 ``FT_BACKEND``: the process groups' backend (default gloo; nccl puts the model on the rank's
 GPU).
 
@@ -131,6 +134,8 @@ def main() -> None:
         for v in model.state_dict().values():
             digest.update(v.detach().cpu().numpy().tobytes())
         Path(os.environ["FT_DIGEST"]).write_text(digest.hexdigest())
+    if str(rank) in os.environ.get("FT_CRASH_AFTER_CLOSE", "").split(","):
+        os._exit(1)  # a crash in teardown, after the last step and close()
 
 
 if __name__ == "__main__":

@@ -232,3 +232,19 @@ def test_ten_faults_in_one_run_and_nothing_grows_in_the_survivors(tmp_path, refe
     assert [r["groups"] for r in lines(run, "done")] == [0] * WORLD
     assert len(events(run, "replacement_started")) == 5
     assert time.monotonic() - began < 400
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_after_its_last_step_and_close_is_not_recovered(tmp_path, reference):
+    """Rank 1 exits with status 1 after its last step and ``ckpt.close()``: a crash in its
+    teardown, not a fault. Its launcher warns, replaces nothing, and the job succeeds."""
+    run = run_job(tmp_path, "ip-teardown", trainer=TRAINER, **env(FT_CRASH_AFTER_CLOSE="1"))
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert "rank 1 (pid" in run.logs[0] and "after closing its Checkpointer" in run.logs[0]
+    crashed = events(run, "worker_crashed_after_closing")
+    assert [(e["rank"], e["status"]) for e in crashed] == [(1, 1)], crashed
+    recovery = [e for node in run.events for e in node
+                if e["kind"].startswith(("inprocess_", "replacement_"))]  # fmt: skip
+    assert not recovery, recovery
+    assert len(lines(run, "restored")) == WORLD  # every rank started once: no restart

@@ -8,7 +8,8 @@ group's own monitoring would terminate every worker at the first failure, so the
 watched here, their exit statuses read from ``/proc`` without reaping them. Whenever the
 recovery cannot finish (no standby, a round that does not form within its deadline, a worker
 that gave up on it) every worker is killed and TorchElastic restarts the group as before; the
-event log says why.
+event log says why. A worker that crashes after closing its Checkpointer (its last step done)
+is not a fault: it is logged and left alone.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from .. import config
 from ..safe_paths import write_atomic
-from .events import EventLog
-from .heartbeat import heartbeat_path
+from .events import EventLog, read_events
+from .heartbeat import Phase, heartbeat_path
 from .heartbeat import read as read_beat
 from .inprocess import (
     EXIT_GAVE_UP,
@@ -114,6 +115,7 @@ class Member:
     pid: int
     env: dict[str, str]
     replacement: subprocess.Popen | None = None
+    finished: bool = False  # closed its Checkpointer, then crashed: done, not lost
 
 
 @dataclass
@@ -216,6 +218,9 @@ class Supervisor:
     # ---- watching ---------------------------------------------------------------------
     def monitor(self, original: Any, pcontext: Any) -> RunResult:
         statuses = {lr: self._status(m) for lr, m in self.members.items()}
+        for lr, status in statuses.items():
+            if status not in (None, 0) and self._finished(self.members[lr], status):
+                statuses[lr] = 0  # its work was done: nothing to recover
         if all(s == 0 for s in statuses.values()):
             pcontext.close()  # reaps the workers TorchElastic started (a replaced one failed)
             return RunResult(state=WorkerState.SUCCEEDED,
@@ -243,6 +248,30 @@ class Supervisor:
         if m.replacement is not None:
             return m.replacement.poll()
         return exit_status(m.pid)
+
+    def _finished(self, m: Member, status: int) -> bool:
+        """Whether rank ``m`` exited with ``status`` after closing its Checkpointer (its last
+        step done): a crash in its teardown, logged once and not recovered. Its page gone
+        (closing removes it) and its own ``closed`` event in the node's event log tell."""
+        if m.finished:
+            return True
+        beat = read_beat(heartbeat_path(config.shm_dir(), m.env.get("FLASHCKPT_JOB", ""), m.rank))
+        if beat is not None and beat.pid == m.pid and beat.phase != Phase.CLOSED:
+            return False  # died with its page open: a fault
+        try:
+            closed = any(e["kind"] == "closed" and e.get("pid") == m.pid
+                         and e.get("rank") == m.rank for e in read_events(self.events.path))  # fmt: skip
+        except OSError:
+            closed = False
+        if not closed:
+            return False
+        m.finished = True
+        log.warning("rank %d (pid %d) exited with %s after closing its Checkpointer, its work "
+                    "done: a crash in its teardown, not a fault; it is not replaced", m.rank,
+                    m.pid, status)  # fmt: skip
+        self.events.record("worker_crashed_after_closing", rank=m.rank, worker_pid=m.pid,
+                           status=status)  # fmt: skip
+        return True
 
     def _replace(self, m: Member, status: int) -> bool:
         """Hand rank ``m.rank`` to a standby, in the round after the one it died in."""
