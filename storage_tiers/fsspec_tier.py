@@ -58,7 +58,7 @@ from .base import (
     temp_target,
 )
 from .os_errors import ADVICE, explain, kind_of, not_a_file
-from .posix import fsync_dir
+from .posix_files import fsync_dir
 from .registry import POLICY_OPTIONS, is_secret, option
 from .threads import in_thread
 

@@ -7,14 +7,13 @@ durable. Blocking calls run in worker threads so the agent's event loop keeps se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import os
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +32,7 @@ from .base import (
     temp_target,
 )
 from .os_errors import explain, kind_of, not_a_file, through_link
+from .posix_files import Temp, is_link, make_dirs, open_child
 from .registry import as_bool, mode_option, option
 from .threads import in_thread
 
@@ -151,11 +151,11 @@ class PosixTier(Tier):
             raise
         log.debug("put %s/%s (%d bytes)", self.root, key, size)
 
-    def _create_temp(self, path: Path, key: str) -> _Temp:
+    def _create_temp(self, path: Path, key: str) -> Temp:
         """A new temporary next to ``path``, in its directory as reached from the root."""
         dir_fd = self._open_parent(path.parent, key)
         try:
-            return _Temp.create(dir_fd, path, self.file_mode)
+            return Temp.create(dir_fd, path, self.file_mode)
         except BaseException:
             os.close(dir_fd)
             raise
@@ -166,16 +166,16 @@ class PosixTier(Tier):
         link: a link on the way is refused, as reads refuse it, never written through (the
         root itself may be one: its owner chose it)."""
         if not self.root.is_dir():
-            _make_dirs(self.root, self.dir_mode)
+            make_dirs(self.root, self.dir_mode)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         here = self.root
         try:
             for part in parent.relative_to(self.root).parts:
                 here = here / part
                 try:
-                    child = _open_child(fd, part, self.dir_mode)
+                    child = open_child(fd, part, self.dir_mode)
                 except OSError as exc:
-                    if _is_link(fd, part):
+                    if is_link(fd, part):
                         raise through_link(self.spec.url, key, here) from None
                     raise OSError(exc.errno, exc.strerror, str(here)) from None
                 os.close(fd)
@@ -186,7 +186,7 @@ class PosixTier(Tier):
         return fd
 
     async def _write_all(
-        self, temp: _Temp, chunks: AsyncIterator[memoryview] | list[memoryview]
+        self, temp: Temp, chunks: AsyncIterator[memoryview] | list[memoryview]
     ) -> int:
         """Write chunks in order: small ones gathered, large ones from their own memory."""
         written = 0
@@ -415,137 +415,3 @@ def _files(base: Path) -> Iterator[Path]:
                         yield Path(entry.path)
         except (FileNotFoundError, NotADirectoryError):
             continue
-
-
-class _Temp:
-    """A temporary file being written next to its final name, both named in the directory
-    ``dir_fd`` (opened link-free); removed unless committed."""
-
-    def __init__(self, fd: int, dir_fd: int, name: str, final: Path):
-        self.fd: int | None = fd
-        self.dir_fd: int | None = dir_fd
-        self.name = name
-        self.final = final
-
-    @classmethod
-    def create(cls, dir_fd: int, final: Path, mode: int) -> _Temp:
-        name = temp_name(final.name)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags, mode, dir_fd=dir_fd)
-        try:
-            os.fchmod(fd, mode)  # exactly the mode asked for, whatever the umask
-        except BaseException:
-            os.close(fd)
-            os.unlink(name, dir_fd=dir_fd)
-            raise
-        return cls(fd, dir_fd, name, final)
-
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run blocking ``fn`` in a thread; a cancelled caller waits for it (``in_thread``):
-        a write may be reading the caller's memory, and its fd is closed only after."""
-        return await in_thread(fn, *args)
-
-    def write(self, view: memoryview) -> None:
-        assert self.fd is not None
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-
-    def commit(self) -> None:
-        """fsync the file, rename it to its final name and fsync the directory."""
-        assert self.fd is not None and self.dir_fd is not None
-        os.fsync(self.fd)
-        fd, self.fd = self.fd, None
-        os.close(fd)
-        os.replace(self.name, self.final.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-        _fsync_fd(self.dir_fd, self.final.parent)
-        self._close_dir()
-
-    async def discard(self) -> None:
-        await in_thread(self._remove)
-
-    def _remove(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            os.close(fd)
-        if self.dir_fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.name, dir_fd=self.dir_fd)
-        self._close_dir()
-
-    def _close_dir(self) -> None:
-        if self.dir_fd is not None:
-            fd, self.dir_fd = self.dir_fd, None
-            os.close(fd)
-
-
-def _open_child(dir_fd: int, name: str, mode: int) -> int:
-    """Open directory ``name`` in ``dir_fd``, made with ``mode`` if missing, never through a
-    symbolic link (O_NOFOLLOW fails on one)."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(name, flags, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    try:
-        os.mkdir(name, mode, dir_fd=dir_fd)
-    except FileExistsError:  # made by a concurrent put
-        return os.open(name, flags, dir_fd=dir_fd)
-    fd = os.open(name, flags, dir_fd=dir_fd)
-    try:
-        os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept
-        _fsync_fd(dir_fd, name)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _is_link(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _make_dirs(parent: Path, mode: int) -> None:
-    """Create ``parent`` and its missing ancestors with ``mode``, fsyncing each directory that
-    gained one."""
-    missing: list[Path] = []
-    here = parent
-    while not here.is_dir():
-        missing.append(here)
-        if here == here.parent:
-            break
-        here = here.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            if d.is_dir():
-                continue  # made by a concurrent put
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d)) from None
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fchmod(fd, mode)  # the umask narrows mkdir's mode; a mode asked for is kept
-        finally:
-            os.close(fd)
-        fsync_dir(d.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _fsync_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def _fsync_fd(fd: int, where: object) -> None:
-    """fsync an open directory; some network filesystems refuse that, which is no error."""
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-        log.debug("directory fsync not supported on %s: %s", where, exc)
