@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import wait_for
 from flashckpt.storage_tiers import peer as peer_module
-from flashckpt.storage_tiers.peer import PEER_TIMEOUT_S
+from flashckpt.storage_tiers.peer import IO_TIMEOUT_S, PEER_TIMEOUT_S
 
 from flashckpt import Checkpointer
 from flashckpt.errors import TierUnavailableError
@@ -99,13 +99,14 @@ def test_a_holder_that_takes_the_connection_and_never_answers_costs_a_few_second
     with socket.create_server(("127.0.0.1", 0)) as mute:
         cluster.report_address("node1", f"127.0.0.1:{mute.getsockname()[1]}")
         fresh = {"w": torch.zeros(1000)}
-        began = time.monotonic()
         with Checkpointer(PEER, disk, job="mute") as ck:
+            began = time.monotonic()
             assert ck.restore(fresh) == 4
             took = time.monotonic() - began
     assert torch.equal(fresh["w"], state["w"])
-    # One listing, waited on for the peer timeout, not the minute a transfer may take.
-    assert took < PEER_TIMEOUT_S + 8, took
+    # One listing, waited on for the peer timeout, not the minute a transfer may take (the
+    # bound leaves room for a loaded machine: it fails only if a socket call's timeout ran).
+    assert took < IO_TIMEOUT_S / 2, took
     [skip] = events("restore_source_skipped")
     assert f"nothing came within {PEER_TIMEOUT_S:g} s" in skip["why"], skip
 
@@ -215,12 +216,12 @@ def test_a_controller_that_is_down_while_a_node_restores_costs_the_replica_only(
     disk, state = lost_after_saving(cluster, shm_dir, tmp_path, 6)
     cluster.controller.stop()
     fresh = {"w": torch.zeros(1000)}
-    began = time.monotonic()
     with Checkpointer(PEER, disk, job="ctl") as ck:
+        began = time.monotonic()
         assert ck.restore(fresh) == 6 and ck.generation == 1
         took = time.monotonic() - began
     assert torch.equal(fresh["w"], state["w"])
-    assert took < PEER_TIMEOUT_S + 8, took
+    assert took < IO_TIMEOUT_S / 2, took
     [skip] = events("restore_source_skipped")
     assert "cannot list the nodes" in skip["why"], skip
 
@@ -246,5 +247,5 @@ def test_an_agent_takes_a_trainer_while_a_tier_it_lists_at_start_hangs(nodes, sh
             return took, state
 
         took, (healthy, error) = asyncio.run(go())
-    assert took < 1.0, took
+    assert took < PEER_TIMEOUT_S / 2, took  # it did not wait for the listing
     assert not healthy and "stopped answering" in error, error
