@@ -35,7 +35,7 @@ from flashckpt.proto import controller_pb2 as pb
 from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
 from flashckpt import config
-from flashckpt.errors import ConfigError
+from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.faults import control
 from flashckpt.faults.events import EventLog
 
@@ -453,6 +453,7 @@ def _recovery_gate(controller: Controller, host: str, port: int, token: str):
     """Under in-process recovery, the job's recovery store, next to the controller (no node
     serves it then): at FLASHCKPT_RECOVERY_STORE, else the controller's port + 1, where every
     node's launcher looks for it."""
+    from flashckpt.faults.addresses import serve_here
     from flashckpt.faults.descriptors import prepare_store
     from flashckpt.faults.inprocess import STORE_ENV
     from flashckpt.faults.store_gate import StoreGate
@@ -463,9 +464,14 @@ def _recovery_gate(controller: Controller, host: str, port: int, token: str):
     gate_host, gate_port = control.split_address(address, STORE_ENV)
     prepare_store()  # the job's size is not known here: the limit raised and logged
     try:
-        gate = StoreGate(gate_host, gate_port, token.encode())
-    except OSError as exc:
-        raise ConfigError(f"the recovery store cannot serve on {address}: {exc}") from None
+        gate = serve_here(gate_host, gate_port, lambda: StoreGate(gate_host, gate_port,
+                          token.encode()), "the job's recovery store")  # fmt: skip
+    except FlashCkptError as exc:
+        raise ConfigError(str(exc)) from None
+    if gate is None:
+        raise ConfigError(f"the recovery store cannot serve on {address}: another process (or "
+                          "host) serves that address; set FLASHCKPT_RECOVERY_STORE to a free "
+                          "port of this host")  # fmt: skip
     log.info("recovery store serving on %s", gate.address)
     if controller.events is not None:
         controller.events.record("recovery_store_started", address=gate.address)

@@ -1,6 +1,7 @@
 """Recovery time: from a fault to every rank training again, on two simulated nodes.
 
     python benchmarks/recovery.py [--rounds 3] [--hang-floor 3] [--baseline-timeout 90]
+    python benchmarks/recovery.py --repeat 20 --cases kill,raise,hang,sleep,spin
 
 Each node is one ``flashckpt-run`` (two gloo ranks, its own shared memory and run directory)
 joined by a c10d rendezvous on 127.0.0.1, as two hosts would be. The job is the launcher
@@ -12,6 +13,12 @@ snapshot every step). Each case runs ``--rounds`` times under both restart polic
   every node, as a real job sets it: the other node's ranks, blocked on it, fall silent too,
   and the nodes agree on one culprit);
 - raise: rank 2's training function raises after step 20;
+- sleep: rank 3 sleeps for an hour after step 20 (alive, no progress), and spin: rank 1 spins
+  in a Python loop that never returns (``--cases`` picks them);
+
+With ``--repeat N``, instead: every case N times in-process, and how many runs passed (the job
+finished in-process, only the faulty rank replaced, the weights equal to an undisturbed run's)
+with the p50 and p90 of the time until every rank trained again.
 
 With ``--effective MINUTES``, instead: one run of that length per policy, a fault every
 ``--every`` seconds (kill of rank 1, hang of rank 3, exception in rank 2, in turn) on steps
@@ -51,7 +58,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ports import free_port, free_port_pair  # noqa: E402  (tests/ holds the job and its helpers)
 
 FAULTS = {"kill": f"kill:1:{FAULT_STEP}", "hang": f"stop:3:{FAULT_STEP}",
-          "raise": f"raise:2:{FAULT_STEP}"}  # fmt: skip
+          "raise": f"raise:2:{FAULT_STEP}", "sleep": f"sleep:3:{FAULT_STEP}",
+          "spin": f"spin:1:{FAULT_STEP}"}  # fmt: skip
+HUNG = {"hang": 3, "sleep": 3, "spin": 1}  # the rank that must be the one killed
 
 
 def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),
@@ -143,6 +152,50 @@ def measure(policy: str, case: str, tmp: Path, hang_floor: float) -> dict:
             "restore": zero(f.restore_s), "steps": f.recomputed_steps() or 0}  # fmt: skip
 
 
+def repeat(args: argparse.Namespace, tmp: Path) -> None:
+    """``--repeat N``: every case N times in-process; how many runs passed (finished in-process,
+    only the faulty rank replaced, weights equal to an undisturbed run's) and the p50 and p90
+    of the time from the fault until every rank trained again."""
+    from flashckpt.faults.events import read_events
+    from flashckpt.faults.report import summarize
+
+    env = {"FLASHCKPT_HANG_FLOOR": str(args.hang_floor), "FLASHCKPT_RESTART_POLICY": "in-process"}
+    codes, _, _ = two_nodes("flashckpt-run", tmp, 240, **env)
+    (undisturbed,) = [p.read_text() for p in tmp.glob("*.digest")]
+    print(f"{NODES} nodes x {NPROC} gloo ranks, in-process, hang floor {args.hang_floor:g}s on "
+          f"every node, {args.repeat} runs a case (seconds from the fault until every rank "
+          "trained again)")  # fmt: skip
+    print(f"{'case':<7}{'passed':>8}{'p50':>8}{'p90':>8}{'max':>8}  failures")
+    for case in args.cases.split(","):
+        times, failed = [], []
+        for _ in range(args.repeat):
+            for old in tmp.glob("*.digest"):
+                old.unlink()
+            codes, took, logs = two_nodes("flashckpt-run", tmp, 180, FT_FAULTS=FAULTS[case], **env)
+            events = [e for log in logs if log.exists() for e in read_events(log)]
+            digest = [p.read_text() for p in tmp.glob("*.digest")]
+            failures = summarize(events).failures
+            killed = sorted(e["rank"] for e in events if e["kind"] == "killed")
+            why = None
+            if codes != [0] * NODES:
+                why = f"exit codes {codes} after {took:.0f}s"
+            elif digest != [undisturbed]:
+                why = "weights differ from the undisturbed run's"
+            elif not failures or failures[0].mode != "in-process" or failures[0].resume_s is None:
+                why = "not recovered in-process"
+            elif case in HUNG and killed != [HUNG[case]]:
+                why = f"killed ranks {killed}, not [{HUNG[case]}]"
+            if why:
+                failed.append(why)
+            else:
+                times.append(failures[0].detect_s + failures[0].resume_s)
+        q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+        cells = (f"{statistics.median(times):.2f}", f"{q[8]:.2f}", f"{max(times):.2f}") if (
+            times) else ("-", "-", "-")  # fmt: skip
+        print(f"{case:<7}{len(times):>5}/{args.repeat:<2}" + "".join(f"{c:>8}" for c in cells)
+              + f"  {'; '.join(failed) or '-'}", flush=True)  # fmt: skip
+
+
 def torchrun_kill(tmp: Path, timeout: float) -> str:
     """The kill case under plain torchrun: no launcher events, so the fault is dated by the
     trainer's fault marker and every rank training again by the workers' own restores."""
@@ -187,6 +240,8 @@ def main() -> None:
     p.add_argument("--every", type=float, default=60.0)
     p.add_argument("--step-ms", type=float, default=100.0)
     p.add_argument("--policies", default="in-process,restart")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help="every case N times in-process: runs passed, p50 and p90")  # fmt: skip
     p.add_argument(
         "--nccl",
         action="store_true",
@@ -201,6 +256,11 @@ def main() -> None:
         os.environ["FT_BACKEND"] = "nccl"
         cases = ["kill"]
     tmp = Path(tempfile.mkdtemp(prefix="fc-recovery-"))
+    if args.repeat:
+        try:
+            return repeat(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if args.effective:
         try:
             return effective(args, tmp)

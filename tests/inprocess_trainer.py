@@ -15,6 +15,14 @@ across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
 ``FT_CRASH_AFTER_CLOSE``: ranks (comma-separated) that exit with status 1 after their last
 step and ``ckpt.close()``, as a crash in teardown.
 
+``FT_DIE_FORMING``: ``rank:what``: that rank SIGKILLs itself the first time it forms a round
+after its first (after arriving in it, before its process group connects: ``what`` = ``init``;
+or after connecting, in the round's first barrier: ``barrier``), once per job.
+
+``FT_SUBGROUPS``: each round makes ``new_group``s of rank pairs ({0, 1}, {2, 3}, ...) and,
+after each step's save (and its fault), all-reduces a counter in the rank's pair: a rank's
+pair partner blocks there when it dies. The model is untouched by it.
+
 ``FT_BACKEND``: the process groups' backend (default gloo; nccl puts the model on the rank's
 GPU).
 
@@ -26,6 +34,7 @@ compute per step, and ``FT_EVERY`` seconds: the n-th fault of ``FT_SCHEDULE``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -82,6 +91,11 @@ def inject(rank: int, step: int, planned: dict, ckpt: Checkpointer | None = None
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "raise":
         raise RuntimeError(f"a fault injected in rank {rank} after step {step}")
+    elif kind == "sleep":  # alive, makes no progress, blocks no signal
+        time.sleep(3600)
+    elif kind == "spin":  # alive and busy in a Python loop that never returns
+        while True:
+            pass
     elif kind == "pause" and ckpt is not None:  # as ft_trainer's: the test takes the node
         for tier in wait_tiers(ckpt.tiers):
             ckpt.wait(step, tier=tier, timeout=60)
@@ -98,8 +112,36 @@ def usage() -> str:
             f"fds={fds} groups={groups}")  # fmt: skip
 
 
+def die_forming(rank: int) -> None:
+    """``FT_DIE_FORMING``: wrap the call in which this rank dies (see the module doc)."""
+    spec = os.environ.get("FT_DIE_FORMING")
+    if not spec or int(spec.split(":")[0]) != rank:
+        return
+    what = spec.split(":")[1]
+    name = "init_process_group" if what == "init" else "barrier"
+    real, calls = getattr(dist, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            with contextlib.suppress(FileExistsError):
+                (Path(os.environ["FT_MARKS"]) / f"die-forming-{rank}").touch(exist_ok=False)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    setattr(dist, name, wrapped)
+
+
+def pairs() -> dist.ProcessGroup:
+    """This rank's pair group; every rank makes every pair, as ``new_group`` requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    made = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    return made[rank // 2]
+
+
 def main() -> None:
     backend = os.environ.get("FT_BACKEND", "gloo")
+    die_forming(int(os.environ["RANK"]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
     if backend == "nccl":
@@ -118,11 +160,17 @@ def main() -> None:
         restored = ckpt.restore(state)
         sys.stdout.write(f"restored {rank} {restored} pid={os.getpid()} {usage()}\n")
         sys.stdout.flush()
+        pair = pairs() if os.environ.get("FT_SUBGROUPS") else None
         for step in range(0 if restored is None else restored + 1, STEPS):
             time.sleep(step_s)  # a real step's compute, before its collectives
             train_step(model, opt, rank, step)
             ckpt.save(step, state)
             inject(rank, step, planned, ckpt)
+            if pair is not None:
+                count = torch.ones(1)
+                dist.all_reduce(count, group=pair)
+                assert count.item() == 2, count
+        sys.stdout.write(f"trained {rank} pid={os.getpid()} {usage()}\n")  # groups still made
 
     flashckpt.run_recoverable(train, backend=backend)
     rank = int(os.environ["RANK"])

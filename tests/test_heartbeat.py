@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from ports import free_port
 
 from flashckpt import Checkpointer, ConfigError
 from flashckpt.faults.events import EventLog, read_events
@@ -80,9 +81,70 @@ def test_a_page_round_trips_and_learns_the_slowest_step(tmp_path):
     assert not hb.path.exists() and not (tmp_path / "rank-0.stacks").exists()
 
 
+def test_a_page_carries_the_collectives_issued_and_a_new_process_starts_with_none(tmp_path):
+    hb = Heartbeat(tmp_path / "rank-0.heartbeat", tmp_path / "rank-0.stacks")
+    assert read(hb.path).issued == {}
+    hb.issued({1: 40, 2**64 - 1: 7})
+    hb.progress(5)  # a beat keeps them
+    assert read(hb.path).issued == {f"{1:016x}": 40, "f" * 16: 7}
+    again = Heartbeat(hb.path, tmp_path / "rank-0.stacks")  # the rank's replacement
+    assert read(hb.path).issued == {}
+    raw = bytearray(hb.path.read_bytes())
+    raw[128:132] = (17).to_bytes(4, "little")  # more groups than a page holds: not a page
+    hb.path.write_bytes(bytes(raw))
+    assert read(hb.path) is None
+    again.close()
+
+
+SLEEPER = """
+import os, sys, time, torch, torch.distributed as dist
+from pathlib import Path
+from flashckpt.faults.collectives import Sampler
+from flashckpt.faults.heartbeat import Heartbeat, record_issued
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+hb = Heartbeat(Path(sys.argv[2]) / f"rank-{rank}.heartbeat", Path(sys.argv[2]) / f"{rank}.stacks")
+Sampler(record_issued, interval=0.02).start()
+t = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(t)
+hb.progress(3)
+(Path(sys.argv[2]) / f"ready-{rank}").touch()
+if rank == 1:
+    time.sleep(60)  # the culprit: it never issues the next collective
+dist.all_reduce(t)  # rank 0 waits here
+"""
+
+
+def test_the_sampler_shows_a_rank_blocked_behind_a_sleeping_one(tmp_path):
+    """Both ranks' last progress is step 3; the one waiting in a collective has issued one
+    more than the sleeper, read from its page while its training thread is blocked."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", SLEEPER, str(r), str(tmp_path)], env=env)
+             for r in (0, 1)]  # fmt: skip
+    try:
+        path = {r: tmp_path / f"rank-{r}.heartbeat" for r in (0, 1)}
+        deadline = time.monotonic() + 60
+        while True:
+            beats = {r: read(p) for r, p in path.items()}
+            counts = {r: sum(b.issued.values()) for r, b in beats.items() if b is not None}
+            if counts.get(0) == 4 and counts.get(1) == 3:
+                break
+            assert time.monotonic() < deadline, counts
+            time.sleep(0.05)
+        assert beats[0].step == beats[1].step == 3
+        hangs = [Hang(r, p.pid, "train", 3, 5.0, 3.0, time.time() - 5, b.issued, False)
+                 for r, b in beats.items() for p in [procs[r]]]  # fmt: skip
+        assert NodeWatch._culprit(hangs).rank == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"garbage", b"\x00" * 4096, b"FCHBEAT1" + b"\xff" * 100],
+    [b"", b"garbage", b"\x00" * 4096, b"FCHBEAT2" + b"\xff" * 100],
     ids=["empty", "short", "zeros", "junk"],
 )
 def test_a_page_that_does_not_parse_is_no_page(tmp_path, raw):
@@ -180,14 +242,15 @@ def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_las
             assert time.monotonic() < deadline, "sleep was never seen stopped"
             time.sleep(0.01)
 
-        def hung(pid, silent, rank):
-            return Hang(rank, pid, "train", 10, silent, 3.0)
+        def hung(pid, silent, rank):  # as Watchdog.silences reads it
+            return Hang(rank, pid, "train", 10, silent, 3.0, time.time() - silent, {},
+                        parent_and_state(pid)[1] == "T")  # fmt: skip
 
         waiting = hung(os.getpid(), 3.1, 2)  # this process: running, past its timeout
         assert NodeWatch._culprit([waiting, hung(stopped.pid, 2.9, 3)]).rank == 3
         # a stopped rank silent for less than half its timeout did not stop with this hang
         assert NodeWatch._culprit([waiting, hung(stopped.pid, 1.0, 3)]).rank == 2
-        # none stopped: the one silent longest
+        # none stopped, no collective counts (see test_culprit): the one silent longest
         assert NodeWatch._culprit([waiting, hung(os.getppid(), 3.5, 1)]).rank == 1
     finally:
         stopped.kill()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from conftest import ROOT, wait_for
+from test_addresses import hold
 from test_launcher import NODES, PER_NODE, TOKEN, Cluster, explain, reference, run_job
 
 pytestmark = pytest.mark.serial  # which rank is the culprit is judged by the clock
@@ -77,6 +78,70 @@ def test_a_killed_rank_is_replaced_and_every_other_keeps_its_process(tmp_path, r
 
 
 @pytest.mark.slow
+def test_a_store_port_held_for_a_moment_at_start_is_still_served_by_the_controllers_node(
+    tmp_path, reference
+):
+    """A passing connection of the host holds the store's port (the controller's + 1) while
+    both nodes start: neither may take it for the other's and look for the store there (the
+    job then had no store at all); the controller's node serves it once the port is free."""
+    cluster = Cluster(tmp_path, "ip-held", trainer=TRAINER, **env(FT_FAULTS="kill:1:8"))
+    port = int(cluster.controller.rsplit(":", 1)[1]) + 1
+    held = hold(port)
+    try:
+        for node in range(NODES):
+            cluster.start(node)
+        logs = [tmp_path / f"ip-held-node{n}-1.log" for n in range(NODES)]
+        wait_for(lambda: any("controller serving" in p.read_text() for p in logs), 60)
+        time.sleep(1.0)  # the controller's node is trying the store's port meanwhile
+    finally:
+        held.close()
+    run = cluster.finish()
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert sum("serving the job's recovery store" in text for text in run.logs) == 1
+    assert not any("cannot be reached" in text for text in run.logs), explain(run)
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+
+
+@pytest.mark.gpu
+def test_on_nccl_a_rank_that_dies_in_the_forming_barrier_is_replaced_within_the_deadline(
+    tmp_path,
+):
+    """NCCL makes its communicator in the round's first barrier, where a dead peer is waited
+    for on the device: the forming watch aborts it at the deadline or once the job moves on,
+    and the group's timeout is the training one only after it formed. One node of one rank on
+    GPU 0 (NCCL takes a device a rank): it raises, then dies in round 1's barrier, and its
+    replacement forms round 2 and finishes."""
+    run = run_job(tmp_path, "ipf-nccl", trainer=TRAINER, timeout=180, nodes=1, per_node=1,
+                  node_env=({},), **env(FT_FAULTS="raise:0:8", FT_DIE_FORMING="0:barrier",
+                                        FT_BACKEND="nccl"))  # fmt: skip
+    assert run.codes == [0], explain(run)
+    assert [e["rank"] for e in events(run, "replacement_started")] == [0]
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+
+
+@pytest.mark.slow
+def test_survivors_blocked_in_a_subgroup_collective_are_released_and_the_groups_rebuilt(
+    tmp_path, reference
+):
+    """Ranks pair up in ``new_group``s and all-reduce in their pair after each step. Rank 1
+    dies: rank 0 is blocked in their pair's all-reduce. Under the round watch (as under NCCL)
+    every group of rank 0's process is aborted, which releases it; the next round makes the
+    pairs again, with rank 1's replacement, and training goes on in them to the end."""
+    run = run_job(tmp_path, "ip-pairs", trainer=TRAINER,
+                  **env(FT_FAULTS="kill:1:10", FT_SUBGROUPS="1", FLASHCKPT_RECOVERY_WATCH="1",
+                        FT_STEP_S="0.2"))  # fmt: skip
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert [e["rank"] for e in events(run, "replacement_started")] == [1]
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+    before, after = first_pid(run), last_pid(run)
+    assert {r for r in range(WORLD) if before[r] == after[r]} == {0, 2, 3}, (before, after)
+    # The world and the rank's own pair, in every process at the end: rebuilt, none left over.
+    assert sorted(r["groups"] for r in lines(run, "trained")) == [2] * WORLD, lines(run, "trained")
+
+
+@pytest.mark.slow
 def test_with_a_standalone_controller_its_recovery_store_serves_every_node(tmp_path, reference):
     """``flashckpt-agent controller --policy in-process`` (large jobs): no launcher serves the
     controller, so none serves the recovery store; the controller does, at its port + 1."""
@@ -127,22 +192,24 @@ def test_a_hung_rank_is_killed_replaced_and_the_ranks_waiting_on_it_recover(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stopped", [1, 3])
-def test_with_equal_hang_floors_on_every_node_one_rank_is_replaced_the_stopped_one(
-    tmp_path, reference, stopped
+@pytest.mark.parametrize("kind,rank", [("stop", 3), ("sleep", 3), ("spin", 1)])
+def test_with_equal_hang_floors_on_every_node_the_rank_that_hung_is_the_one_replaced(
+    tmp_path, reference, kind, rank
 ):
-    """Every node's ranks go silent together (the other node's blocked in a collective with
-    the stopped rank): the nodes agree on one culprit, the stopped one, and the survivors,
-    waiting for its replacement once their collective failed, are not judged hung."""
-    run = run_job(tmp_path, f"ip-equal{stopped}", trainer=TRAINER,
-                  **env(FT_FAULTS=f"stop:{stopped}:10", FLASHCKPT_HANG_FLOOR="3"))  # fmt: skip
+    """Every node's ranks go silent together (the others blocked in a collective with the hung
+    rank): the nodes agree on one culprit from the evidence (a stopped process; else the rank
+    the others have issued a collective ahead of), and the survivors, waiting for its
+    replacement once their collective failed, are not judged hung."""
+    run = run_job(tmp_path, f"ip-{kind}{rank}", trainer=TRAINER,
+                  **env(FT_FAULTS=f"{kind}:{rank}:10", FLASHCKPT_HANG_FLOOR="3"))  # fmt: skip
     assert run.codes == [0, 0], explain(run)
     assert run.digest == reference
     hangs = events(run, "hang_detected")
-    assert [(e["rank"], e["process_state"]) for e in hangs] == [(stopped, "T")], hangs
-    assert [e["rank"] for e in events(run, "replacement_started")] == [stopped]
+    state = "T" if kind == "stop" else ("R" if kind == "spin" else "S")
+    assert [(e["rank"], e["process_state"]) for e in hangs] == [(rank, state)], hangs
+    assert [e["rank"] for e in events(run, "replacement_started")] == [rank]
     before, after = first_pid(run), last_pid(run)
-    assert {r for r in range(WORLD) if before[r] == after[r]} == set(range(WORLD)) - {stopped}
+    assert {r for r in range(WORLD) if before[r] == after[r]} == set(range(WORLD)) - {rank}
 
 
 @pytest.mark.slow
@@ -155,6 +222,27 @@ def test_an_exception_in_one_rank_reruns_training_in_every_process(tmp_path, ref
     faults = events(run, "inprocess_fault")
     assert any(e["rank"] == 2 and e["own"] for e in faults), faults
     assert not events(run, "replacement_started")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["init"])  # the barrier: the NCCL test below
+def test_a_rank_that_dies_while_a_round_forms_after_an_exception_costs_one_more_round(
+    tmp_path, reference, what
+):
+    """Rank 2 raises: every rank leaves round 0 for round 1 (no launcher involved). Rank 1
+    dies in round 1 after arriving, before its process group connects (``init``) or in the
+    round's first barrier. The others leave round 1 within its deadline (gloo's connect and
+    barrier have that timeout; the forming watch aborts them) and form round 2 with rank 1's
+    replacement: in-process, never a 30-minute wait."""
+    run = run_job(tmp_path, f"ipf-{what}", trainer=TRAINER, timeout=120,
+                  **env(FT_FAULTS="raise:2:8", FT_DIE_FORMING=f"1:{what}"))  # fmt: skip
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    assert [e["rank"] for e in events(run, "replacement_started")] == [1]
+    assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
+    joined = [e for e in events(run, "inprocess_joined") if e["rank"] == 0]
+    assert joined and max(e["round"] for e in joined) >= 2, joined
+    assert all(e["since_fault_s"] < 15 + 5 for e in joined), joined  # within the deadline
 
 
 @pytest.mark.slow

@@ -59,8 +59,10 @@ class Cluster:
     rendezvous."""
 
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
-                 trainer: Path = TRAINER, nodes: int = NODES, **env: str):  # fmt: skip
+                 trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
+                 **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
+        self.per_node = per_node
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
         self.controller = f"127.0.0.1:{free_port_pair()}"
@@ -81,7 +83,7 @@ class Cluster:
                 "FLASHCKPT_CONTROLLER": self.controller, **self.env,
                 **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
-        cmd = [str(LAUNCHER), f"--nnodes={self.n}", f"--nproc-per-node={PER_NODE}",
+        cmd = [str(LAUNCHER), f"--nnodes={self.n}", f"--nproc-per-node={self.per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
                f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
                str(self.trainer)]  # fmt: skip
@@ -147,9 +149,10 @@ class Cluster:
 
 
 def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),
-            trainer: Path = TRAINER, nodes: int = NODES, **env: str) -> Run:  # fmt: skip
+            trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
+            **env: str) -> Run:  # fmt: skip
     """Every node from start to end; waits for all to exit."""
-    cluster = Cluster(tmp, name, node_env, trainer, nodes, **env)
+    cluster = Cluster(tmp, name, node_env, trainer, nodes, per_node, **env)
     try:
         for node in range(nodes):
             cluster.start(node)

@@ -1,4 +1,4 @@
-"""``inprocess.RoundWatch``: a rank's process group is aborted from outside the training thread
+"""``round_watch.RoundWatch``: a rank's process group is aborted from outside the training thread
 once the job's round has moved on (what releases a NCCL collective blocked on a dead peer),
 and only then; and ``FLASHCKPT_RECOVERY_WATCH`` picks where it runs."""
 
@@ -14,13 +14,8 @@ import torch.distributed as dist
 from conftest import wait_for
 
 from flashckpt.errors import ConfigError
-from flashckpt.faults.inprocess import (
-    NodeRound,
-    RoundWatch,
-    StoreRound,
-    abort_all_groups,
-    watch_setting,
-)
+from flashckpt.faults.inprocess import watch_setting
+from flashckpt.faults.round_watch import NodeRound, RoundWatch, StoreRound, abort_all_groups
 
 NS = "ns"
 OVER = "flashckpt/ns/round-3/over"
@@ -62,6 +57,24 @@ def test_the_groups_are_aborted_once_the_round_moves_on(source):
     wait_for(lambda: calls, 5, what="the abort")
     assert calls[0] - moved < 1.0
     assert watch.stop() is True and len(calls) == 1
+
+
+def test_a_round_that_does_not_form_by_its_deadline_is_aborted_on_every_backend(source):
+    """The watch a forming round runs (its process group made, its first barrier): a rank
+    that died after arriving cannot keep the others there past the deadline."""
+    where, move = source
+    calls = []
+    began = time.monotonic()
+    watch = RoundWatch(where, 3, lambda: calls.append(time.monotonic()), deadline=0.4)
+    watch.start()
+    wait_for(lambda: calls, 5, what="the abort at the deadline")
+    assert 0.35 < calls[0] - began < 1.5
+    assert watch.stop() is True and len(calls) == 1
+    formed = RoundWatch(where, 3, lambda: calls.append(1), deadline=0.4)
+    formed.start()
+    assert formed.stop() is False  # formed in time: nothing aborted
+    time.sleep(0.6)
+    assert len(calls) == 1
 
 
 def test_a_round_that_ends_normally_aborts_nothing(source):
@@ -137,7 +150,7 @@ def test_abort_all_groups_aborts_every_group_newest_first(monkeypatch, caplog):
 
     groups = {Group("0"): "0", Group("1", fails=True): "1", Group("2"): "2"}
     monkeypatch.setattr(c10d, "_pg_names", groups)  # what _world.pg_names returns
-    with caplog.at_level("DEBUG", logger="flashckpt.faults.inprocess"):
+    with caplog.at_level("DEBUG", logger="flashckpt.faults.round_watch"):
         abort_all_groups()
     assert aborted == ["2", "1", "0"]  # newest first, one failing does not stop the others
     assert "cannot abort" in caplog.text
@@ -157,7 +170,7 @@ def test_abort_all_groups_over_real_groups_leaves_them_to_destroy(tmp_path):
 GROUPS = """
 import os, torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from flashckpt.faults.inprocess import abort_all_groups
+from flashckpt.faults.round_watch import abort_all_groups
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -3,15 +3,16 @@
 When a rank hangs, the ranks in a collective with it go silent too, on every node. Each
 node's watchdog sees only its own ranks: judged per node, every node with a blocked rank would
 replace one, and at a thousand nodes the standbys would drain into a full restart. So the
-nodes agree, through the job's recovery store, on one culprit per round:
+nodes agree, through the job's recovery store, on one culprit per round, from evidence rather
+than from when each node happened to look:
 
-- a node with a rank past its hang timeout posts its own likeliest culprit (a stopped process
-  first, else the rank silent longest) as a suspect of the round;
-- once ``settle`` seconds have passed since its first post (the other nodes' ranks, blocked
-  with the same hang, cross their timeouts within moments), it picks the job's culprit among
-  every suspect posted, by the same rule, and records it unless another node did first; a
-  stopped process is recorded at once (it is the cause, whatever the others post: only another
-  stopped one could rank with it, and then either is right);
+- a node with a rank silent past half its hang timeout posts every such rank's evidence (see
+  ``collectives``: whether it is stopped, its step, its last progress on the wall clock, the
+  collectives it issued) under its own name, and keeps it current while they stay silent;
+- once a rank here is past its timeout and ``settle`` seconds have passed since this node
+  first posted, it orders every rank posted by the job (``collectives.likeliest``) and records
+  the first as the culprit, unless another node recorded one first; a stopped process here is
+  recorded at once (it is the cause, whatever the others post);
 - every node acts on the recorded culprit alone: the node that runs it kills it (its
   replacement then moves the job to the next round), the others wait.
 """
@@ -22,8 +23,10 @@ import datetime
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .collectives import likeliest
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +39,22 @@ class Suspect:
     rank: int
     pid: int
     stopped: bool  # the process is stopped (SIGSTOP, a debugger): the cause, not a victim
-    silent_s: float
+    step: int | None = None
+    last_progress: float = 0.0  # wall clock
+    issued: dict[str, int] = field(default_factory=dict)  # see collectives
 
-    def key(self) -> tuple[bool, float, str, int]:
-        """Sorts the likeliest culprit first."""
-        return (not self.stopped, -self.silent_s, self.node, self.rank)
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> Suspect:
+        return cls(**json.loads(raw))
+
+    @classmethod
+    def of(cls, node: str, hang: Any) -> Suspect:
+        """A ``hang.Hang`` of this node as the job sees it."""
+        return cls(node, hang.rank, hang.pid, hang.stopped, hang.step, hang.last_progress,
+                   dict(hang.issued))  # fmt: skip
 
 
 class JobCulprit:
@@ -52,7 +66,8 @@ class JobCulprit:
         """``store``: a store client, or a callable that makes one when first needed (the
         store may not serve yet when the launcher starts)."""
         self._store, self.node, self.where, self.settle = store, node, where, settle
-        self._posted: dict[str, float] = {}  # round prefix -> when this node first posted
+        # round prefix -> (when this node first posted, what it posted last)
+        self._posted: dict[str, tuple[float, str]] = {}
 
     @property
     def store(self) -> Any:
@@ -74,36 +89,48 @@ class JobCulprit:
 
         return cls(make, node, where)
 
-    def decide(self, mine: Suspect | None) -> Suspect | None:
+    def decide(self, mine: list[Suspect], judged: bool) -> Suspect | None:
         """The job's culprit of the current round, once chosen (None before: wait). ``mine``:
-        this node's likeliest culprit, if it has a rank past its timeout."""
+        this node's ranks silent past half their timeout; ``judged``: one of them is past it."""
         prefix = self.where()
-        if prefix is None:
-            return mine  # no worker group known yet: judge alone, as without the store
+        if prefix is None:  # no worker group known yet: judge alone, as without the store
+            return likeliest(mine) if judged and mine else None
         culprit = f"{prefix}/culprit"
         if self.store.check([culprit]):
-            return Suspect(**json.loads(self.store.get(culprit)))
-        if mine is None:
+            return Suspect.loads(self.store.get(culprit))
+        if not mine:
             return None
         now = time.monotonic()
-        if prefix not in self._posted:
-            n = self.store.add(f"{prefix}/suspects", 1)
-            self.store.set(f"{prefix}/suspect-{n}", json.dumps(asdict(mine)))
-            self._posted[prefix] = now
-            if not mine.stopped:
-                return None
-        elif now - self._posted[prefix] < self.settle and not mine.stopped:
+        posted = json.dumps([asdict(s) for s in mine], sort_keys=True)
+        if self._posted.get(prefix, (0.0, ""))[1] != posted:
+            self.store.set(f"{prefix}/suspects/{self.node}", posted)
+            if prefix not in self._posted:
+                self.store.append(f"{prefix}/posters", json.dumps(self.node) + "\n")
+            first = self._posted.get(prefix, (now, ""))[0]
+            self._posted[prefix] = (first, posted)
+        if not judged:
             return None
-        if mine.stopped:
-            posted, choice = [mine], mine
-        else:
-            count = int(self.store.add(f"{prefix}/suspects", 0))
-            posted = [Suspect(**json.loads(self.store.get(f"{prefix}/suspect-{n}")))
-                      for n in range(1, count + 1)]  # fmt: skip
-            choice = min(posted, key=Suspect.key)
-        found = self.store.compare_set(culprit, "", json.dumps(asdict(choice)))
-        decided = Suspect(**json.loads(found))
-        log.info("the job's culprit for this hang: rank %d on node %s (%s, silent %.1fs), of "
-                 "%d suspect(s)", decided.rank, decided.node,
-                 "stopped" if decided.stopped else "running", decided.silent_s, len(posted))  # fmt: skip
+        choice = likeliest(mine)
+        every = [choice]
+        if not choice.stopped:
+            if now - self._posted[prefix][0] < self.settle:
+                return None
+            every = self._every(prefix)
+            choice = likeliest(every)
+        found = self.store.compare_set(culprit, "", choice.dumps())
+        decided = Suspect.loads(found)
+        log.info("the job's culprit for this hang: rank %d on node %s (%s, step %s, last progress "
+                 "%.1fs ago), of %d suspect(s)", decided.rank, decided.node,
+                 "stopped" if decided.stopped else "running", decided.step,
+                 time.time() - decided.last_progress, len(every))  # fmt: skip
         return decided
+
+    def _every(self, prefix: str) -> list[Suspect]:
+        """Every rank the job's nodes posted in this round."""
+        nodes = [json.loads(line) for line in
+                 self.store.get(f"{prefix}/posters").decode().splitlines() if line]  # fmt: skip
+        out = []
+        for node in dict.fromkeys(nodes):
+            raw = self.store.get(f"{prefix}/suspects/{node}")
+            out.extend(Suspect(**one) for one in json.loads(raw))
+        return out

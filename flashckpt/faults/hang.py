@@ -18,12 +18,13 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config
 from ..errors import ConfigError
 from .heartbeat import STACK_SIGNAL, Beat, Phase, heartbeat_path, read, stacks_path
+from .proc import parent_and_state
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class Hang:
     step: int | None
     silent_s: float
     timeout_s: float
+    last_progress: float = 0.0  # wall clock (comparable across nodes)
+    issued: dict[str, int] = field(default_factory=dict)  # see collectives
+    stopped: bool = False  # the process is stopped (SIGSTOP, a debugger)
 
 
 class Watchdog:
@@ -88,7 +92,7 @@ class Watchdog:
         """How long each watched one of ``workers`` ({global rank: pid}) has been silent,
         against its timeout. A page left by an earlier process of the rank (another pid) is
         not this worker's, and is ignored."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         out = []
         for rank, pid in sorted(workers.items()):
             beat = read(heartbeat_path(self.shm_dir, self.job, rank))
@@ -97,7 +101,8 @@ class Watchdog:
             limit = self.policy.timeout(beat)
             if limit is not None:
                 silent = now - beat.updated_at
-                out.append(Hang(rank, pid, beat.phase.name.lower(), beat.step, silent, limit))
+                out.append(Hang(rank, pid, beat.phase.name.lower(), beat.step, silent, limit,
+                                wall - silent, beat.issued, parent_and_state(pid)[1] == "T"))  # fmt: skip
         return out
 
     def check(self, workers: dict[int, int]) -> list[Hang]:

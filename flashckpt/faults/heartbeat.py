@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FlashCkptError
@@ -36,11 +36,16 @@ from ..safe_paths import open_file
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"FCHBEAT1"
+MAGIC = b"FCHBEAT2"
 _FMT = struct.Struct("<8sQqIIqQdddd")
 # magic, seq (odd while writing), pid, phase, budget_s (how long the rank said its phase may
 # take, 0: not said), step, beats (progress count), updated_at, slowest recent step interval,
 # started_at, phase_since: times are CLOCK_MONOTONIC, which every process of the node shares.
+_ISSUED_AT = 128  # then a count and (group key, collectives issued) pairs: collectives.Sampler
+_COUNT = struct.Struct("<I")
+_PAIR = struct.Struct("<QQ")
+MAX_GROUPS = 16
+_READ = _ISSUED_AT + _COUNT.size + MAX_GROUPS * _PAIR.size
 PAGE = 4096
 _MAX_BUDGET = 2**32 - 1
 WINDOW = 32
@@ -83,6 +88,7 @@ class Beat:
     started_at: float
     phase_since: float
     budget_s: int = 0  # what the rank said its phase may take (a wait's timeout), 0: not said
+    issued: dict[str, int] = field(default_factory=dict)  # group key (hex) -> collectives
 
 
 class Heartbeat:
@@ -108,6 +114,7 @@ class Heartbeat:
         self._started, self._phase_since = now, now
         self._stacks_path = stacks
         _register_stack_dump(stacks)
+        _COUNT.pack_into(self._mm, _ISSUED_AT, 0)  # a page of an earlier process: not ours
         self._write(now)
         _live.add(self)
 
@@ -154,6 +161,18 @@ class Heartbeat:
                 self._step = step
             self._write(now)
 
+    def issued(self, counts: dict[int, int]) -> None:
+        """The collectives this process issued so far, per process group (at most
+        MAX_GROUPS): the evidence that tells a hung rank from those blocked behind it."""
+        pairs = list(counts.items())[:MAX_GROUPS]
+        with self._lock:
+            if self._mm.closed:
+                return
+            with self._writing():
+                _COUNT.pack_into(self._mm, _ISSUED_AT, len(pairs))
+                for i, pair in enumerate(pairs):
+                    _PAIR.pack_into(self._mm, _ISSUED_AT + _COUNT.size + i * _PAIR.size, *pair)
+
     def typical_step_s(self) -> float | None:
         """The median of the recent step intervals, None before two steps."""
         with self._lock:
@@ -170,16 +189,22 @@ class Heartbeat:
         self._mm.close()
         _unregister_stack_dump(self._stacks_path)
 
-    def _write(self, now: float) -> None:
-        self._seq += 1  # odd: a reader retries
-        struct.pack_into("<Q", self._mm, 8, self._seq)
-        slowest = max(self._intervals, default=0.0)
-        _FMT.pack_into(
-            self._mm, 0, MAGIC, self._seq, os.getpid(), int(self._phase), self._budget, self._step,
-            self._beats, now, slowest, self._started, self._phase_since,
-        )  # fmt: skip
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The page's sequence number odd while the block writes (a reader retries)."""
         self._seq += 1
         struct.pack_into("<Q", self._mm, 8, self._seq)
+        yield
+        self._seq += 1
+        struct.pack_into("<Q", self._mm, 8, self._seq)
+
+    def _write(self, now: float) -> None:
+        slowest = max(self._intervals, default=0.0)
+        with self._writing():
+            _FMT.pack_into(
+                self._mm, 0, MAGIC, self._seq, os.getpid(), int(self._phase), self._budget,
+                self._step, self._beats, now, slowest, self._started, self._phase_since,
+            )  # fmt: skip
 
 
 def open_for_rank(shm_dir: Path, job: str, rank: int) -> Heartbeat | None:
@@ -234,25 +259,29 @@ def read(path: Path) -> Beat | None:
         return None
     try:
         raw = b""
-        for _ in range(100):
-            raw = os.pread(fd, _FMT.size, 0)
-            if len(raw) < _FMT.size:
+        for _ in range(100):  # a seqlock: even and unchanged across the read, else torn
+            raw = os.pread(fd, _READ, 0)
+            if len(raw) < _READ:
                 return None
             first = struct.unpack_from("<Q", raw, 8)[0]
-            if first % 2 == 0:
+            if first % 2 == 0 and os.pread(fd, 8, 8) == raw[8:16]:
                 break
             time.sleep(0.0001)
         else:
             return None
     finally:
         os.close(fd)
-    magic, _, pid, phase, budget, step, beats, updated, slowest, started, since = _FMT.unpack(raw)
-    ok = magic == MAGIC and pid > 0 and phase in Phase._value2member_map_
+    magic, _, pid, phase, budget, step, beats, updated, slowest, started, since = (
+        _FMT.unpack_from(raw))  # fmt: skip
+    (count,) = _COUNT.unpack_from(raw, _ISSUED_AT)
+    ok = magic == MAGIC and pid > 0 and phase in Phase._value2member_map_ and count <= MAX_GROUPS
     times = (updated, slowest, started, since)
     if not ok or not all(t == t and 0 <= t < 1e12 for t in times):  # t == t: not NaN
         return None
+    issued = dict(_PAIR.unpack_from(raw, _ISSUED_AT + _COUNT.size + i * _PAIR.size)
+                  for i in range(count))  # fmt: skip
     return Beat(pid, Phase(phase), step if step >= 0 else None, beats, updated, slowest,
-                started, since, budget)  # fmt: skip
+                started, since, budget, {f"{k:016x}": v for k, v in issued.items()})  # fmt: skip
 
 
 # ---- per-process plumbing: the optimizer-step hook and the stack dump ----------------------
@@ -269,6 +298,12 @@ def recovering(budget_s: float) -> None:
             hb._last_progress = None  # the wait is no step interval
         if not hb._mm.closed:
             hb.phase(Phase.WAIT, budget_s=budget_s)
+
+
+def record_issued(counts: dict[int, int]) -> None:
+    """Every live heartbeat of this process carries ``counts`` (see ``Heartbeat.issued``)."""
+    for hb in list(_live):
+        hb.issued(counts)
 
 
 def last_step() -> int | None:

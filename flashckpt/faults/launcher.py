@@ -35,6 +35,7 @@ from ..errors import FlashCkptError
 from ..pidfile import PidFileBusy, lock_pidfile
 from ..safe_paths import private_dir
 from . import control
+from .addresses import serve_here
 from .agent_keeper import AgentKeeper
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
@@ -188,20 +189,17 @@ class NodeWatch(threading.Thread):
         when it runs elsewhere."""
         from .culprit import Suspect
 
-        mine = None
-        if hangs:
-            h = self._culprit(silences)
-            mine = Suspect(self.culprits.node, h.rank, h.pid,
-                           parent_and_state(h.pid)[1] == "T", h.silent_s)  # fmt: skip
+        node = self.culprits.node
+        mine = [Suspect.of(node, h) for h in silences if h.silent_s > h.timeout_s / 2]
         try:
-            decided = self.culprits.decide(mine)
+            decided = self.culprits.decide(mine, judged=bool(hangs))
         except Exception as exc:  # the store out of reach: judge alone, as without it
             log.warning("the job's culprit cannot be agreed on (%s): judging this node alone",
                         exc)  # fmt: skip
-            decided = mine
+            decided = Suspect.of(node, self._culprit(silences)) if hangs else None
         if decided is None:
             return []
-        if decided.node != self.culprits.node:
+        if decided.node != node:
             # Ranks here were blocked with it: they recover once its replacement joins. Not
             # judged again before they have had the hang floor to (as on its own node).
             self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
@@ -211,11 +209,11 @@ class NodeWatch(threading.Thread):
     @staticmethod
     def _culprit(silences: list[Hang]) -> Hang:
         """Of ranks hung together (one past its timeout, the others silent at least half of
-        theirs: blocked in a collective with it, or about to be judged), the likely cause: a
-        stopped one first, else the one silent longest. The ranks of a collective fall silent
-        within moments of each other, so the first past its timeout is often a waiting one."""
-        together = [h for h in silences if h.silent_s > h.timeout_s / 2]
-        return min(together, key=lambda h: (parent_and_state(h.pid)[1] != "T", -h.silent_s))
+        theirs: blocked in a collective with it, or about to be judged), the likely cause, by
+        the evidence their pages carry (``collectives.likeliest``)."""
+        from .collectives import likeliest
+
+        return likeliest([h for h in silences if h.silent_s > h.timeout_s / 2])
 
     def _workers(self) -> dict[int, int]:
         """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
@@ -250,8 +248,9 @@ def controller_address(args) -> str:
 
 
 def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThread | None:
-    """Serve the controller here if this host can bind its address, and tell this node's
-    agent where it is; None when this node only reports to it, or runs without one."""
+    """Serve the controller here if its address is this host's and no other process serves it
+    (``addresses.serve_here``), and tell this node's agent where it is; None when this node
+    only reports to it, or runs without one."""
     from ..agent.controller import Controller, InThread
 
     address = controller_address(args)
@@ -271,20 +270,20 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
     else:
         tls = control.Tls.from_env(server=True) if uses_tls else None
         bind = env("FLASHCKPT_CONTROLLER_BIND") or address
-        served = InThread(Controller(events, control.policy()), bind, token, tls)
-        try:
-            port = served.start_serving()
+
+        def serve() -> InThread:
+            made = InThread(Controller(events, control.policy()), bind, token, tls)
+            made.start_serving()
+            return made
+
+        served = serve_here(*control.split_address(bind), serve, "the controller")
+        if served is not None:
             host = control.split_address(address)[0]
-            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            address = f"[{host}]:{served.port}" if ":" in host else f"{host}:{served.port}"
             log.info("controller serving on %s (policy %s)", address, served.controller.policy)
             events.record("controller_started", address=address, policy=served.controller.policy)
-        except (
-            RuntimeError
-        ) as exc:  # in use (another node's launcher, a standalone one) or not ours
-            log.info(
-                "this node reports to the controller at %s (not served here: %s)", address, exc
-            )
-            served = None
+        else:
+            log.info("this node reports to the controller at %s", address)
     control.Endpoint(address, token, uses_tls).save(run_dir, job)
     return served
 
@@ -301,9 +300,9 @@ def recovery_store_address(args) -> str:
     return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
 
 
-def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
+def in_process(args, events: EventLog, shm_dir: Path, job: str, serves_controller: bool) -> Any:
     """Set up in-process recovery: this node's way to the job's recovery store (the store
-    itself where this launcher can bind its address, or runs alone; a tunnel to it
+    itself where this launcher serves the controller, or runs alone; a tunnel to it
     otherwise, see ``store_gate``), its loopback address for the workers, the warm standbys
     and the agent that replaces a lost worker. Returns what must stay referenced."""
     from .descriptors import clients_needed, prepare_store, raise_soft_limit
@@ -331,16 +330,19 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str) -> Any:
             )
         address = recovery_store_address(args)
         host, port = control.split_address(address, "the recovery store")
-        try:
-            keep = StoreGate(host, port, token.encode())
-            local = f"127.0.0.1:{keep.store_port}"
-            log.info("serving the job's recovery store on %s", keep.address)
+        # The store lives with the controller: the node that serves one serves the other.
+        gate = serve_here(host, port, lambda: StoreGate(host, port, token.encode()),
+                          "the job's recovery store") if serves_controller else None  # fmt: skip
+        if gate is not None:
+            keep = gate
+            local = f"127.0.0.1:{gate.store_port}"
+            log.info("serving the job's recovery store on %s", gate.address)
             try:
                 prepare_store(clients_needed(args.nnodes, args.nproc_per_node))
             except FlashCkptError:
-                keep.close()
+                gate.close()
                 raise
-        except OSError:  # another node's (or the standalone controller's) address
+        else:
             keep = StoreTunnel(host, port, token.encode())
             local = keep.address
             log.info("reaching the job's recovery store at %s through %s", address, local)
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     recovery_store = None
     if restart_policy == "in-process":
         try:
-            recovery_store = in_process(args, events, shm_dir, job)
+            recovery_store = in_process(args, events, shm_dir, job, controller is not None)
         except FlashCkptError as exc:
             sys.exit(f"flashckpt-run: {exc}")
     os.environ["FLASHCKPT_JOB"] = job

@@ -11,6 +11,7 @@ launcher exiting) ends it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import runpy
@@ -27,9 +28,31 @@ def warm() -> None:
     import torch.optim  # noqa: F401
 
     # Above faults/ in the layers, by design: a standby warms what the script it becomes
-    # imports, the package's doors included.
-    import flashckpt  # noqa: F401
-    import flashckpt.faults.inprocess  # noqa: F401
+    # imports, the package's doors included, and what a Checkpointer loads when it is made
+    # and restores (the agent's client and messages, the tiers' registry, the restore path):
+    # every module imported here is time the job does not wait for when a rank is lost.
+    for name in WARM:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # an optional part not installed: the script never needs it
+            print(f"standby: {name} not warmed ({exc})", file=sys.stderr)
+
+
+WARM = (
+    "torch._dynamo",  # what making any torch.optim optimizer loads (about 1 s of imports)
+    "torch.nn.parallel",
+    "flashckpt",
+    "flashckpt.checkpointer",
+    "flashckpt.faults.inprocess",
+    "flashckpt.faults.agent_client",
+    "flashckpt.proto.agent_pb2",
+    "flashckpt.proto.agent_pb2_grpc",
+    "flashckpt.storage_tiers.registry",
+    "flashckpt.storage_tiers.peer",
+    "flashckpt.restore.sources",
+    "flashckpt.restore.into_state",
+    "flashckpt.restore.steady_load",
+)
 
 
 def run_as(assignment: dict) -> None:
@@ -52,6 +75,11 @@ def run_as(assignment: dict) -> None:
 
 def main() -> None:
     warm()
+    # What it imported is for good: out of the collector's sight now, while it waits, not
+    # when it has become a rank.
+    from .inprocess import freeze_setup
+
+    freeze_setup()
     ready = os.environ.pop(READY_FD_ENV, None)
     if ready is not None:
         with contextlib.suppress(OSError):  # taken before it was warm: nobody listens

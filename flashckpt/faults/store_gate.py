@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 NONCE_BYTES = 32
 PURPOSE = b"flashckpt recovery store v1\n"
 HANDSHAKE_TIMEOUT = 5.0
+CONNECT_RETRY_S = 30.0  # a store client's own wait (``TCPStore``'s timeout) for the store
 PIPE_BYTES = 1 << 16
 
 
@@ -215,9 +216,24 @@ class StoreTunnel:
         with contextlib.suppress(asyncio.CancelledError):  # closing: the relay just ends
             await self._carry(reader, writer)
 
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the gate. Refused ones are tried again for ``CONNECT_RETRY_S``: the
+        node that serves the store may start after this one (its clients wait as long)."""
+        deadline = asyncio.get_running_loop().time() + CONNECT_RETRY_S
+        pause = 0.05
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(*self.remote),
+                                              HANDSHAKE_TIMEOUT)  # fmt: skip
+            except ConnectionRefusedError:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
     async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            gate = await asyncio.wait_for(asyncio.open_connection(*self.remote), HANDSHAKE_TIMEOUT)
+            gate = await self._connect()
             nonce = await asyncio.wait_for(gate[0].readexactly(NONCE_BYTES), HANDSHAKE_TIMEOUT)
             gate[1].write(answer(self.token, nonce))
             await gate[1].drain()
