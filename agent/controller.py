@@ -42,6 +42,7 @@ from flashckpt.faults.events import EventLog
 from .commits import Coverage
 from .common_steps import held_steps
 from .job_view import JobState, Node, Seen, short_of_world
+from .replica_map import ReplicaMap
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Controller:
         self.heartbeat = config.setting_float("heartbeat_interval", heartbeat, DEFAULT_HEARTBEAT,
                                               lo=0.05)  # fmt: skip
         self.jobs: dict[str, JobState] = {}
+        self.replica_maps: dict[str, ReplicaMap] = {}  # job -> where replicas go and are held
         self.watchers: dict[tuple[str, str], Callable[[pb.ReportReply | None], None]] = {}
 
     def report(self, r: pb.NodeReport, now: float | None = None) -> pb.ReportReply:
@@ -92,9 +94,21 @@ class Controller:
         self._update_commits(r.job, job, r.node, node, r.tiers)
         job.common.update(r.node, held_steps(r.tiers), node.ranks, node.world_size)
         known, common = job.common.answer()
+        replicas = self.replica_map(r.job)
+        replicas.update(r.node, node.replicas)
+        expired = replicas.expired(job.nodes, r.node, job.commits, now) if node.replicas else []
         return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq,
-                              common_known=known,
+                              common_known=known, expired_replicas=expired,
                               common=[pb.StepKey(generation=g, step=s) for g, s in common])  # fmt: skip
+
+    def replica_map(self, name: str) -> ReplicaMap:
+        if name not in self.replica_maps:
+            self.replica_maps[name] = ReplicaMap(self.node_timeout)
+        return self.replica_maps[name]
+
+    def holders(self, request: pb.HoldersRequest) -> pb.HoldersReply:
+        job = self.jobs.get(request.job, JobState())
+        return self.replica_map(request.job).holders(job.nodes, request)
 
     def watch(
         self, job: str, node: str, deliver: Callable[[pb.ReportReply | None], None]
@@ -271,7 +285,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                     # and every tenth report as a sign of life: half the messages of
                     # answering them all.
                     said = (tuple(reply.kill_pids), reply.heartbeat_s, reply.common_known,
-                            tuple((k.generation, k.step) for k in reply.common))  # fmt: skip
+                            tuple((k.generation, k.step) for k in reply.common),
+                            tuple(reply.expired_replicas))  # fmt: skip
                     if said != last[0] or request.seq % ACK_EVERY == 0:
                         last[0] = said
                         outbox.put_nowait(reply)
@@ -292,6 +307,11 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     async def JobStatus(self, request, context):
         return self.c.status(request.job)
+
+    async def Holders(self, request, context):
+        if request.hop < 1 and not request.named:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hop must be >= 1")
+        return self.c.holders(request)
 
 
 async def _check(request: pb.NodeReport, context) -> None:

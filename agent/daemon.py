@@ -82,7 +82,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     replicas = None
     if config.peer_replicas() > 0:  # a multi-node job: hold other nodes' newest steps
-        replicas = ReplicaStore(job, shm_dir, run_dir, metrics)
+        replicas = ReplicaStore(job, shm_dir, run_dir, metrics, node)
         try:
             await replicas.start()
         except (OSError, ConfigError) as exc:  # persistence goes on; peers find no store here

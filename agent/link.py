@@ -147,6 +147,8 @@ class Link:
                 self.job.wake()  # node-local tiers may retire what every node now holds
             if reply.heartbeat_s > 0:
                 self.interval = min(reply.heartbeat_s, 30.0)
+            if reply.expired_replicas and self.replicas is not None:
+                await self.replicas.expire(list(reply.expired_replicas))
             for pid in reply.kill_pids:
                 if pid not in self._killing or self._killing[pid].done():
                     self._killing[pid] = asyncio.create_task(self.terminate(pid))

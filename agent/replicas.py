@@ -1,39 +1,61 @@
 """This node's memory for other nodes' snapshots: the holder's side of ``peer://``.
 
 When a job runs on several nodes (``FLASHCKPT_PEER_REPLICAS`` >= 1, which ``flashckpt-run``
-sets for a multi-node job), every agent serves a replica store on TCP and reports its address
-to the controller. The other nodes' agents store their newest complete step in it, as into
-any node-local tier (``storage_tiers/peer.py``; their tier workers keep one step and retire
-the one before once a newer is committed), and a node that was lost and started again wiped
-reads its ranks back from it.
+sets for a multi-node job), every agent serves a replica store on TCP (on
+``FLASHCKPT_PEER_PORT``, any free port by default) and reports its address to the controller.
+The other nodes' agents store their newest complete step in it, as into any node-local tier
+(``storage_tiers/peer.py``; their tier workers keep one step and retire the one before once a
+newer is committed), and a node that was lost and started again wiped reads its ranks back
+from it.
 
-Each source node has a directory of its own under ``<shm_dir>/<job>.replicas/``: a
-directory tier in shared memory, so a replica costs its size in memory once per holder and
-survives this agent being restarted. Before a replica is taken, the store checks that
-shared memory keeps ``RESERVE`` of its size free after it; if not, it refuses (the sender
-logs it; a log line and a metric here) rather than starve the trainers' own slots. Every
-request must come with the job's token (the controller's); what arrives is written under the
-key checks of any directory tier and handed to restores as untrusted input, like any tier.
+Each source node has a directory of its own under ``<shm_dir>/_replicas/<job>/`` (no job name
+starts with ``_``): a directory tier in shared memory, so a replica costs its size in memory
+once per holder and survives this agent being restarted. What a crashed agent's uploads left
+is removed when the next one starts; ``flashckpt gc shm`` removes the folder of a job whose
+processes are all gone. Copies the controller says are no longer needed (their source stores
+at another holder that holds a step as new, or left the job) are deleted when it says so.
+
+The service is built to face the network:
+
+- at most ``MAX_CONNECTIONS`` connections, ``MAX_PER_ADDRESS`` from one address; more are
+  closed unread;
+- the TLS handshake and the node channel's handshake (the job's token proved both ways, the
+  node name bound) share one deadline, ``HELLO_TIMEOUT_S``, and frames before it are at most
+  a few KiB;
+- after it, TCP keepalive, and every read and write of a request waits at most
+  ``FLASHCKPT_PEER_STALL_TIMEOUT`` (30 s) for progress: a sender that stalls or loses power
+  mid-put is cut off, its temporary removed and its reservation freed;
+- refused clients are logged at most once per 10 s, with a count.
+
+Space is reserved before a put is accepted: under the event loop's single thread, the check
+and the reservation are one step, so concurrent puts cannot break ``RESERVE`` (10 % of shared
+memory, kept free for the trainers' own slots). A put in flight counts at its full size until
+it ends, even once allocated, so the reserve errs toward refusing. The peak to plan for: while
+a source replaces its step, the holder holds the old step and the new one, twice the source's
+share of its ranks' snapshots, until the new step is committed and the old one retired.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import collections
+import contextlib
 import logging
 import os
 import re
 import shutil
 import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
-from flashckpt.storage_tiers import peer_wire as wire
 from flashckpt.storage_tiers.base import check_key
 from flashckpt.storage_tiers.local import LocalTier
+from flashckpt.storage_tiers.peer import SERVICE
 from flashckpt.storage_tiers.registry import parse_spec
 
 from flashckpt import config
+from flashckpt import node_channel as wire
 from flashckpt.errors import CheckpointNotFoundError, ConfigError
 from flashckpt.faults.control import Endpoint, split_address
 from flashckpt.format import tier_io
@@ -42,8 +64,17 @@ from flashckpt.safe_paths import private_dir
 log = logging.getLogger(__name__)
 
 RESERVE = 0.10  # of shared memory's size, kept free after any replica is taken
-HELLO_TIMEOUT_S = 10.0  # a connection must name its job and token within this
+HELLO_TIMEOUT_S = 10.0  # TLS and the node channel's handshake, together
+STALL_TIMEOUT_S = 30.0  # FLASHCKPT_PEER_STALL_TIMEOUT: the longest wait for a request's bytes
+MAX_CONNECTIONS = 256
+MAX_PER_ADDRESS = 32
+REQUEST_LIMIT = 64 << 10  # a request's header after the handshake (keys are short)
+SEND_PIECE = 8 << 20  # bytes of a get sent per deadline
 _COMMIT_NAME = re.compile(r"commit-[A-Za-z0-9._-]+\.json")
+
+
+def stall_timeout() -> float:
+    return config.setting_float("peer_stall_timeout", None, STALL_TIMEOUT_S, lo=0.1, hi=3600.0)
 
 
 def advertised_host(run_dir: Path, job: str) -> str:
@@ -69,28 +100,39 @@ def advertised_host(run_dir: Path, job: str) -> str:
 class ReplicaStore:
     """Serves one job's replica store on TCP (see the module doc)."""
 
-    def __init__(self, job: str, shm_dir: Path, run_dir: Path, metrics: Any = None):
+    def __init__(self, job: str, shm_dir: Path, run_dir: Path, metrics: Any = None,
+                 node: str | None = None):  # fmt: skip
         self.job, self.shm_dir, self.run_dir, self.metrics = job, shm_dir, run_dir, metrics
+        self.node = node or config.node_name()  # this holder's own name
         self.root = store_root(shm_dir, job)
         self.refused = 0  # replicas refused for want of memory
+        self.served: collections.Counter[str] = collections.Counter()  # requests by op
+        self.reserved = 0  # bytes of puts accepted and not yet ended
         self.address = ""
         self.held_now: list[tuple[str, int, int, list[int]]] = []  # ``held()``, as last seen
+        self.refusals = wire.Refusals(log, f"job {job}: replica store")
         self._server: asyncio.base_events.Server | None = None
         self._tiers: dict[str, LocalTier] = {}
+        self._open: dict[str, int] = {}  # connections by source address
+        self._tls: ssl.SSLContext | None = None
+        self._serving: set[asyncio.Task] = set()
 
     def tier(self, node: str) -> LocalTier:
         """The directory tier holding ``node``'s replicas."""
         if node not in self._tiers:
+            private_dir(self.root.parent, "replica store")
             private_dir(self.root, "replica store")
             self._tiers[node] = LocalTier(parse_spec(f"file://{self.root / node}"))
         return self._tiers[node]
 
-    async def start(self, host: str | None = None, port: int = 0) -> str:
+    async def start(self, host: str | None = None, port: int | None = None) -> str:
         host = host or advertised_host(self.run_dir, self.job)
+        port = config.setting_int("peer_port", port, 0, lo=0, hi=65535)
         contexts = wire.tls_contexts()
-        self._server = await asyncio.start_server(
-            self._serve, host, port, ssl=contexts[0] if contexts else None, limit=wire.PIECE
-        )
+        self._tls = contexts[0] if contexts else None
+        await self._remove_leftovers()
+        self._server = await asyncio.start_server(self._serve, host, port, limit=SEND_PIECE,
+                                                  backlog=MAX_CONNECTIONS)  # fmt: skip
         bound = self._server.sockets[0].getsockname()
         self.address = f"[{host}]:{bound[1]}" if ":" in host else f"{host}:{bound[1]}"
         self.held_now = await self.held()  # a restarted agent reports what it still holds
@@ -98,88 +140,151 @@ class ReplicaStore:
                  self.root, self.address, " (TLS)" if contexts else "")  # fmt: skip
         return self.address
 
+    async def _remove_leftovers(self) -> None:
+        """What uploads into a store of this job left when its agent died: no upload is in
+        flight before this store serves."""
+        for node in _sources(self.root):
+            tier = self.tier(node)
+            for leftover in await tier.leftovers(""):
+                await tier.remove_leftover(leftover)
+                log.info("job %s: removed what a crashed upload of node %s's %s left", self.job,
+                         node, leftover.key)  # fmt: skip
+
     async def held(self) -> list[tuple[str, int, int, list[int]]]:
         """(source node, generation, step, ranks) of every complete replica held."""
         return await held_replicas(self.root, self.job)
 
     async def close(self, remove: bool = True) -> None:
-        """Stop serving; with ``remove``, give the memory back (the job is over here)."""
+        """Stop serving and end every connection; with ``remove``, give the memory back (the
+        job is over here)."""
         if self._server is not None:
             self._server.close()
+            for task in list(self._serving):
+                task.cancel()
+            await asyncio.gather(*self._serving, return_exceptions=True)
             await self._server.wait_closed()
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
 
+    async def expire(self, sources: list[str]) -> None:
+        """Delete the replicas of ``sources`` (the controller says no restore needs them)."""
+        for source in sources:
+            try:
+                config.validate_name("node", source)
+            except ConfigError:
+                continue
+            folder = self.root / source
+            if folder.is_dir():
+                self._tiers.pop(source, None)
+                await asyncio.to_thread(shutil.rmtree, folder, True)
+                log.info("job %s: gave back node %s's replica: it is held as new elsewhere, or "
+                         "no restore reads it any more", self.job, source)  # fmt: skip
+        self.held_now = await self.held()
+
     # ---- one connection ----------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if (
+            sum(self._open.values()) >= MAX_CONNECTIONS
+            or self._open.get(host, 0) >= MAX_PER_ADDRESS
+        ):
+            self.refusals.refused(peer, f"too many connections (at most {MAX_CONNECTIONS}, "
+                                        f"{MAX_PER_ADDRESS} from one address)")  # fmt: skip
+            writer.transport.abort()
+            return
+        self._open[host] = self._open.get(host, 0) + 1
+        task = asyncio.current_task()
+        self._serving.add(task)
         try:
-            node = await self._hello(reader, writer)
-            if node is None:
-                return
-            while True:
-                try:
-                    head = await reader.readexactly(4)
-                except asyncio.IncompleteReadError:
-                    return  # the peer is done
-                header = wire.decode(await reader.readexactly(wire.decode_length(head)))
-                if not await self._one(node, header, reader, writer):
-                    return
-        except (wire.WireError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            node = await self._admit(reader, writer, peer)
+            if node is not None:
+                wire.keep_alive(writer.get_extra_info("socket"))
+                await self._requests(node, reader, writer)
+        except (wire.WireError, asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             log.debug("replica connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass  # the store closes
         except Exception:  # a bug here must not take the agent down
             log.exception("replica connection failed")
         finally:
-            writer.close()
+            self._serving.discard(task)
+            self._open[host] -= 1
+            if not self._open[host]:
+                del self._open[host]
+            writer.transport.abort()
 
-    async def _hello(self, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> str | None:  # fmt: skip
-        try:  # a connection that says nothing is not kept open
-            head = await asyncio.wait_for(reader.readexactly(4), HELLO_TIMEOUT_S)
-            hello = wire.decode(await asyncio.wait_for(
-                reader.readexactly(wire.decode_length(head)), HELLO_TIMEOUT_S))  # fmt: skip
-        except asyncio.TimeoutError:
-            return None
-        endpoint = Endpoint.load(self.run_dir, self.job)
-        token, node = hello.get("token"), hello.get("node")
-        ok = (
-            hello.get("op") == "hello" and hello.get("job") == self.job
-            and endpoint is not None and isinstance(token, str)
-            and hmac.compare_digest(token.encode(), endpoint.token.encode())
-        )  # fmt: skip
-        if not ok:
-            peer = writer.get_extra_info("peername")
-            log.warning("job %s: a replica connection from %s was refused: wrong job or token",
-                        self.job, peer)  # fmt: skip
-            await _answer(writer, {"ok": False, "code": "auth", "error": "wrong job or token"})
-            return None
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     peer: object) -> str | None:  # fmt: skip
+        """The client's node name once TLS (where configured) and the handshake pass, all
+        within HELLO_TIMEOUT_S; None (the client told why, where it can be) if not."""
         try:
-            config.validate_name("node", node)
-        except ConfigError as exc:
-            await _answer(writer, {"ok": False, "code": "bad", "error": str(exc)})
-            return None
-        await _answer(writer, {"ok": True})
-        return node
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                if self._tls is not None:
+                    await writer.start_tls(self._tls)
+                endpoint = Endpoint.load(self.run_dir, self.job)
+                if endpoint is None:
+                    raise wire.WireError("failed", "this node knows no controller of the job")
+                hands = wire.ServerHandshake(endpoint.token, SERVICE, self.job, self.node)
+                writer.write(hands.challenge(await wire.read_frame(reader, wire.HELLO_LIMIT)))
+                await writer.drain()
+                node = hands.check(await wire.read_frame(reader, wire.HELLO_LIMIT))
+                await _answer(writer, {"ok": True})
+                return node
+        except TimeoutError:
+            self.refusals.refused(peer, f"no handshake within {HELLO_TIMEOUT_S:g} s")
+        except wire.WireError as exc:
+            self.refusals.refused(peer, str(exc))
+            with contextlib.suppress(Exception):
+                writer.write(wire.refusal(exc.code, str(exc)))
+                await asyncio.wait_for(writer.drain(), 1.0)
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, OSError) as exc:
+            self.refusals.refused(peer, f"the connection broke in the handshake ({exc!r})")
+        return None
+
+    async def _requests(self, node: str, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        """Answer ``node``'s requests until it hangs up, stalls or sends a bad one."""
+        stall = stall_timeout()
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readexactly(4), stall)
+            except (asyncio.IncompleteReadError, TimeoutError):
+                return  # the peer is done, or idle
+            n = wire.decode_length(head, REQUEST_LIMIT)
+            header = wire.decode(await asyncio.wait_for(reader.readexactly(n), stall))
+            if not await self._one(node, header, reader, writer, stall):
+                return
 
     async def _one(self, node: str, header: dict, reader: asyncio.StreamReader,
-                   writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+                   writer: asyncio.StreamWriter, stall: float) -> bool:  # fmt: skip
         """Answer one request; False when the connection must end (after a refused put)."""
         op, tier = header.get("op"), self.tier(node)
+        self.served[str(op)] += 1
         try:
             if op == "put":
-                return await self._put(tier, node, header, reader, writer)
+                return await self._put(tier, node, header, reader, writer, stall)
             if op == "get":
-                await self._get(tier, header, writer)
-            elif op == "list":
-                prefix = _text(header, "prefix")
-                self._in_job(prefix)
+                await self._get(tier, header, writer, stall)
+                return True
+            prefix = check_key(_text(header, "prefix" if op != "remove_leftover" else "key"),
+                               prefix=True)  # fmt: skip
+            self._in_job(prefix)
+            if op == "list":
                 keys = await tier.list(prefix) if (self.root / node).is_dir() else []
                 await _answer(writer, {"ok": True, "keys": keys})
             elif op == "delete":
-                prefix = _text(header, "prefix")
-                self._in_job(prefix)
-                await tier.delete(check_key(prefix, prefix=True))
+                await tier.delete(prefix)
                 await _answer(writer, {"ok": True})
                 self.held_now = await self.held()
+            elif op == "leftovers":
+                found = await tier.leftovers(prefix) if (self.root / node).is_dir() else []
+                await _answer(writer, {"ok": True, "leftovers": [
+                    {"key": t.key, "name": t.name, "size": t.size, "modified": t.modified}
+                    for t in found]})  # fmt: skip
+            elif op == "remove_leftover":
+                await self._remove_leftover(tier, prefix, _text(header, "name"))
+                await _answer(writer, {"ok": True})
             else:
                 await _answer(writer, {"ok": False, "code": "bad", "error": f"no op {op!r}"})
                 return False
@@ -193,17 +298,26 @@ class ReplicaStore:
             return False
         return True
 
+    @staticmethod
+    async def _remove_leftover(tier: LocalTier, key: str, name: str) -> None:
+        """Remove the leftover ``name`` of ``key``, if it is one: found again here, never taken
+        on the client's word (a path it names could be anything)."""
+        parent = key.rsplit("/", 1)[0] if "/" in key else ""
+        for leftover in await tier.leftovers(parent):
+            if leftover.key == key and leftover.name == name:
+                await tier.remove_leftover(leftover)
+
     def _in_job(self, key: str) -> None:
         if key.split("/", 1)[0] != self.job:
             raise ConfigError(f"{key!r} is not of job {self.job!r}")
 
-    async def _put(self, tier: LocalTier, node: str, header: dict,
-                   reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:  # fmt: skip
+    async def _put(self, tier: LocalTier, node: str, header: dict, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter, stall: float) -> bool:  # fmt: skip
         key, size = check_key(_text(header, "key")), header.get("size")
         self._in_job(key)
         if type(size) is not int or size < 0:
             raise ValueError(f"a put of size {size!r}")
-        short = self._short_of(size)
+        short = self._short_of(size)  # checked and reserved with no wait between
         if short:
             self.refused += 1
             if self.metrics is not None:
@@ -211,34 +325,46 @@ class ReplicaStore:
             log.warning("job %s: node %s's replica %s (%.1f MiB) refused: %s", self.job, node,
                         key, size / 2**20, short)  # fmt: skip
             await _answer(writer, {"ok": False, "code": "full",
-                                   "error": f"node {config.node_name()} {short}"})  # fmt: skip
+                                   "error": f"node {self.node} {short}"})  # fmt: skip
             return False
-        await _answer(writer, {"ok": True})
+        self.reserved += size
+        try:
+            await _answer(writer, {"ok": True})
 
-        async def body():
-            left = size
-            while left:
-                piece = await reader.readexactly(min(left, wire.PIECE))
-                left -= len(piece)
-                yield memoryview(piece)
+            async def body():
+                left = size
+                while left:  # a sender that stalls is cut off: the put fails, its temp goes
+                    piece = await asyncio.wait_for(reader.readexactly(min(left, SEND_PIECE)),
+                                                   stall)  # fmt: skip
+                    left -= len(piece)
+                    yield memoryview(piece)
 
-        await tier.put(key, body(), size)
+            await tier.put(key, body(), size)
+        finally:
+            self.reserved -= size
         await _answer(writer, {"ok": True})
         if _COMMIT_NAME.fullmatch(key.rsplit("/", 1)[-1]):  # a step complete: report it
             self.held_now = await self.held()
         return True
 
     def _short_of(self, size: int) -> str:
-        """Why ``size`` more bytes would leave shared memory too full ("" if they fit)."""
-        st = os.statvfs(self.shm_dir)
-        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        """Why ``size`` more bytes would leave shared memory too full ("" if they fit), the
+        puts in flight counted at their full size."""
+        free, total = shm_space(self.shm_dir)
         keep = int(total * RESERVE)
-        if size + keep <= free:
+        if size + self.reserved + keep <= free:
             return ""
-        return (f"has {free / 2**20:.0f} MiB free in {self.shm_dir} and keeps {keep / 2**20:.0f} "
-                f"MiB of it for its own trainers: no room for {size / 2**20:.1f} MiB more")  # fmt: skip
+        flight = (
+            f", {self.reserved / 2**20:.0f} MiB of it promised to puts in flight"
+            if self.reserved
+            else ""
+        )
+        return (f"has {free / 2**20:.0f} MiB free in {self.shm_dir}{flight}, and keeps "
+                f"{keep / 2**20:.0f} MiB for its own trainers: no room for {size / 2**20:.1f} "
+                "MiB more")  # fmt: skip
 
-    async def _get(self, tier: LocalTier, header: dict, writer: asyncio.StreamWriter) -> None:
+    async def _get(self, tier: LocalTier, header: dict, writer: asyncio.StreamWriter,
+                   stall: float) -> None:  # fmt: skip
         key = check_key(_text(header, "key"))
         self._in_job(key)
         start, end = header.get("start", 0), header.get("end")
@@ -250,19 +376,33 @@ class ReplicaStore:
             stop = length if end is None else min(end, length)
             count = max(0, stop - start)
             await _answer(writer, {"ok": True, "size": count})
-            if count:
-                await asyncio.get_running_loop().sendfile(writer.transport, f, start, count)
+            loop = asyncio.get_running_loop()
+            for at in range(start, start + count, SEND_PIECE):  # a reader that stalls is cut off
+                n = min(SEND_PIECE, start + count - at)
+                await asyncio.wait_for(loop.sendfile(writer.transport, f, at, n), stall)
+
+
+def shm_space(path: Path) -> tuple[int, int]:
+    """(free, total) bytes of the file system holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _sources(root: Path) -> list[str]:
+    with contextlib.suppress(OSError):
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    return []
 
 
 def store_root(shm_dir: Path, job: str) -> Path:
     """Where a node holds ``job``'s replicas of other nodes."""
-    return shm_dir / f"{job}.replicas"
+    return config.replicas_dir(shm_dir, job)
 
 
 async def held_replicas(root: Path, job: str) -> list[tuple[str, int, int, list[int]]]:
     """(source node, generation, step, ranks) of every complete replica under ``root``."""
     out = []
-    for node in sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    for node in _sources(root):
         try:
             tier = LocalTier(parse_spec(f"file://{root / node}"))
             listing = await tier_io.list_steps(tier, job)
@@ -282,4 +422,4 @@ def _text(header: dict, name: str) -> str:
 
 async def _answer(writer: asyncio.StreamWriter, reply: dict) -> None:
     writer.write(wire.encode(reply))
-    await writer.drain()
+    await asyncio.wait_for(writer.drain(), stall_timeout())

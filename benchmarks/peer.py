@@ -190,6 +190,7 @@ def main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from flashckpt.agent.controller import Controller, InThread
 
+    from flashckpt.config import replicas_dir
     from flashckpt.faults import control
 
     args.base = Path(tempfile.mkdtemp(prefix="flashckpt-peer-"))
@@ -213,7 +214,7 @@ def main(args: argparse.Namespace) -> None:
         wipe(args.base, 1)  # node 1 is lost: its agent and memory with it
         stored = sorted(int(p.name.split("-")[1].split(".")[0])
                         for p in (args.base / "pfs" / args.job).glob("step-*"))  # fmt: skip
-        data = next((args.base / "shm0" / f"{args.job}.replicas").rglob("data"))
+        data = next(replicas_dir(args.base / "shm0", args.job).rglob("data"))
         args.nbytes = data.stat().st_size
         port = sender(data)
         r = run_child(args, "restore", env1, copy_port=port, nbytes=args.nbytes)

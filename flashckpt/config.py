@@ -318,6 +318,14 @@ def shm_dir(explicit: str | os.PathLike | None = None, create: bool = True) -> P
     return _dir("shm_dir", explicit, DEFAULT_SHM_DIR, create, shared_parent=True)
 
 
+REPLICAS_DIR = "_replicas"  # in shared memory: a name no job can take (see validate_name)
+
+
+def replicas_dir(shm_dir: Path, job: str) -> Path:
+    """Where a node holds ``job``'s replicas of other nodes."""
+    return Path(shm_dir) / REPLICAS_DIR / job
+
+
 def run_dir(explicit: str | os.PathLike | None = None, create: bool = True) -> Path:
     """Where the agent's socket, pid file and log live: created 0700 and checked private."""
     return _dir("run_dir", explicit, DEFAULT_RUN_DIR, create, shared_parent=False)

@@ -85,18 +85,52 @@ class NodeReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("kill_pids", "heartbeat_s", "seq", "common_known", "common")
+    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common")
+    EXPIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMON_KNOWN_FIELD_NUMBER: _ClassVar[int]
     COMMON_FIELD_NUMBER: _ClassVar[int]
+    expired_replicas: _containers.RepeatedScalarFieldContainer[str]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
     seq: int
     common_known: bool
     common: _containers.RepeatedCompositeFieldContainer[StepKey]
-    def __init__(self, kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ...) -> None: ...
+    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ...) -> None: ...
+
+class HoldersRequest(_message.Message):
+    __slots__ = ("job", "node", "hop", "failure_domain", "named")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    hop: int
+    failure_domain: str
+    named: str
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., hop: _Optional[int] = ..., failure_domain: _Optional[str] = ..., named: _Optional[str] = ...) -> None: ...
+
+class PeerHolder(_message.Message):
+    __slots__ = ("node", "address")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HoldersReply(_message.Message):
+    __slots__ = ("assigned", "read_from", "reported")
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    READ_FROM_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
+    assigned: PeerHolder
+    read_from: PeerHolder
+    reported: bool
+    def __init__(self, assigned: _Optional[_Union[PeerHolder, _Mapping]] = ..., read_from: _Optional[_Union[PeerHolder, _Mapping]] = ..., reported: _Optional[bool] = ...) -> None: ...
 
 class JobStatusRequest(_message.Message):
     __slots__ = ("job",)

@@ -49,6 +49,11 @@ class ControllerStub:
                 request_serializer=controller__pb2.JobStatusRequest.SerializeToString,
                 response_deserializer=controller__pb2.JobStatusReply.FromString,
                 _registered_method=True)
+        self.Holders = channel.unary_unary(
+                '/flashckpt.controller.v1.Controller/Holders',
+                request_serializer=controller__pb2.HoldersRequest.SerializeToString,
+                response_deserializer=controller__pb2.HoldersReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -78,6 +83,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Holders(self, request, context):
+        """Where one node's replica goes and where to read it: a small answer at any job size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.JobStatus,
                     request_deserializer=controller__pb2.JobStatusRequest.FromString,
                     response_serializer=controller__pb2.JobStatusReply.SerializeToString,
+            ),
+            'Holders': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holders,
+                    request_deserializer=controller__pb2.HoldersRequest.FromString,
+                    response_serializer=controller__pb2.HoldersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Controller:
             '/flashckpt.controller.v1.Controller/JobStatus',
             controller__pb2.JobStatusRequest.SerializeToString,
             controller__pb2.JobStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashckpt.controller.v1.Controller/Holders',
+            controller__pb2.HoldersRequest.SerializeToString,
+            controller__pb2.HoldersReply.FromString,
             options,
             channel_credentials,
             insecure,

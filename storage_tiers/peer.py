@@ -1,77 +1,79 @@
 """``peer://``: another node's memory, as a tier. A node's replica of its newest snapshots.
 
-Every node's agent holds, in its shared memory, the newest complete step of ``k`` other
-nodes (``agent/replicas.py``). From the sending agent and from a restoring rank alike, the
-holder is found the same way: the job's controller lists the nodes and the address each
-agent serves replicas on, and the holder of node ``N`` at ``hop=h`` is the ``h``-th node
-after ``N`` in name order (wrapping around), skipping nodes of ``N``'s failure domain
-(``FLASHCKPT_FAILURE_DOMAIN``) where domains are set, and nodes the controller has lost.
-``peer://auto`` is that holder; ``peer://<node>`` names one.
+Every node's agent holds, in its shared memory, the newest complete step of a few other nodes
+(``agent/replicas.py``). Which node holds which is the controller's to answer, in one small
+reply (``Holders``): placement is rendezvous hashing with bounded loads over the nodes that
+serve replicas, outside the source's failure domain (``FLASHCKPT_FAILURE_DOMAIN``) where
+domains are set (``peer_placement``). ``peer://auto`` stores at the node's holder for ``hop``
+(1 by default) and reads from whichever node holds its newest replica at that hop (the holder
+it stored at before the placement moved, until the new one holds a step as new);
+``peer://<node>`` names one.
 
 It is a node-scope tier like a local disk: each node's ranks are stored with their own
 holder. What it reads back is untrusted like any tier's: manifests and chunks are checked by
-the restore. Transfers are plain sockets (``peer_wire``): a restore reads straight into its
-buffer, and the holder sends from its memory with ``sendfile``; the channel is authenticated
-with the job's controller token, over TLS where the controller uses TLS.
+the restore, and the sizes a holder declares are checked against what was asked. Transfers are
+plain sockets: a restore reads straight into its buffer, and the holder sends from its memory
+with ``sendfile``. Each connection starts with the node channel's handshake (the job's token
+proved both ways, never sent; ``flashckpt/node_channel.py``), over TLS where the controller
+uses TLS. A node's ranks restoring together list the holder once for the node, not once each:
+the first lists, the others read its answer from the run directory.
+
+After the handshake, requests go one at a time, each a frame, and for ``put`` and ``get`` the
+raw bytes after it:
+
+- ``put {key, size}``: ``ok`` (room reserved, send) or an error; the bytes follow; ``ok`` once
+  they are stored whole, under their key, atomically;
+- ``get {key, start, end}``: ``ok {size}`` and that many bytes, or an error;
+- ``list {prefix}``: ``ok {keys}``; ``delete {prefix}``: ``ok``;
+- ``leftovers {prefix}``: ``ok {leftovers}`` (what a crashed upload left at the holder);
+  ``remove_leftover {key, name}``: ``ok``.
+
+A node reaches only its own replicas: the holder files each request under the node name the
+handshake bound.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import hashlib
+import json
 import logging
+import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from flashckpt import config
+from flashckpt import node_channel as wire
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
 
-from . import peer_wire as wire
 from . import threads
 from .base import Leftover, Tier, TierSpec, check_key, iter_chunks
+from .peer_placement import PeerNode, holder
 from .registry import option
 from .threads import in_thread
 
+__all__ = ["PeerNode", "PeerTier", "holder", "peer_timeout", "replicas_of"]
+
 log = logging.getLogger(__name__)
 
+SERVICE = "replicas"
 PEER_TIMEOUT_S = 3.0
 """How long a restore waits for a holder (``FLASHCKPT_PEER_TIMEOUT``): the controller's
 answer, the connect, each reply, and any pause in the bytes of a transfer. A replica is
 optional: a holder slower than this is skipped, and the restore goes on from the tiers."""
 IO_TIMEOUT_S = 60.0  # one socket call of a sender's upload; a transfer may take longer in all
 SEND_PIECE = 1 << 20  # a put checks between pieces whether its caller was cancelled
+PIECE = 8 << 20  # bytes received per socket call
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
-_RESOLVED: dict[tuple, tuple[float, PeerNode]] = {}  # (job, run dir, node, ...) -> holder
-
-
-@dataclass(frozen=True)
-class PeerNode:
-    """A node as the controller lists it: where its agent serves replicas."""
-
-    name: str
-    address: str  # "host:port"; "" where it serves none
-    domain: str = ""
-    lost: bool = False
-
-
-def holder(nodes: list[PeerNode], me: str, hop: int, my_domain: str = "") -> PeerNode | None:
-    """The ``hop``-th node after ``me`` in name order that can hold ``me``'s replica: not
-    ``me``, serving replicas, not lost, and of another failure domain where ``me`` has one;
-    None if there are fewer such nodes than ``hop``. ``me`` need not be listed (a node
-    started again wiped asks before its agent has reported)."""
-    fit = sorted(
-        (n for n in nodes
-         if n.name != me and n.address and not n.lost and not (my_domain and n.domain == my_domain)),
-        key=lambda n: n.name,
-    )  # fmt: skip
-    if hop < 1 or len(fit) < hop:
-        return None
-    after = [n for n in fit if n.name > me] + [n for n in fit if n.name < me]
-    return after[hop - 1]
+LISTING_TTL_S = 2.0  # a node's ranks share a listing this fresh (they restore together)
+SHARED_FAILURE_S = 1.0  # a failed listing that took this long is shared too
+_RESOLVED: dict[tuple, tuple[float, PeerNode, PeerNode]] = {}  # key -> (when, store, read)
 
 
 def peer_timeout() -> float:
@@ -88,27 +90,20 @@ class NoHolder(TierUnavailableError):
         self.reported = reported
 
 
-def _nodes(reply: Any) -> list[PeerNode]:
-    return [PeerNode(n.node, n.peer_address, n.failure_domain, n.lost) for n in reply.nodes]
-
-
-async def list_nodes(job: str, run_dir: Any = None) -> list[PeerNode]:
-    """The job's nodes as its controller knows them; TierUnavailableError without one."""
-    return _nodes(await _job_status(job, run_dir))
-
-
 async def replicas_of(
     job: str, source: str, run_dir: Any = None
 ) -> list[tuple[str, int, int, list[int]]]:
     """(holder node, generation, step, ranks) of every replica of ``source``'s ranks the
     job's nodes hold, as they last reported to the controller."""
-    reply = await _job_status(job, run_dir)
+    from flashckpt.proto import controller_pb2 as pb
+
+    reply = await _ask(job, run_dir, "JobStatus", pb.JobStatusRequest(job=job))
     return [(n.node, r.generation, r.step, sorted(r.ranks))
             for n in reply.nodes for r in n.replicas if r.source == source]  # fmt: skip
 
 
-async def _job_status(job: str, run_dir: Any) -> Any:
-    from flashckpt.proto import controller_pb2 as pb
+async def _ask(job: str, run_dir: Any, method: str, request: Any) -> Any:
+    """One call to the job's controller; TierUnavailableError without one."""
     from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
     from flashckpt.faults.control import Endpoint
@@ -122,15 +117,14 @@ async def _job_status(job: str, run_dir: Any) -> Any:
         )
     try:
         async with endpoint.channel() as channel:
-            reply = await pb_grpc.ControllerStub(channel).JobStatus(
-                pb.JobStatusRequest(job=job), metadata=endpoint.metadata(), timeout=peer_timeout()
-            )
+            stub = pb_grpc.ControllerStub(channel)
+            return await getattr(stub, method)(request, metadata=endpoint.metadata(),
+                                               timeout=peer_timeout())  # fmt: skip
     except Exception as exc:  # grpc.aio.AioRpcError and transport errors alike
         raise TierUnavailableError(
             f"peer replicas of job {job!r}: the controller at {endpoint.address} cannot list "
             f"the nodes ({exc})"
         ) from None
-    return reply
 
 
 class PeerTier(Tier):
@@ -151,31 +145,31 @@ class PeerTier(Tier):
         domain = str(config.setting("failure_domain", None, "") or "")
         return (job, str(config.run_dir()), config.node_name(), domain, self.named, self.hop)
 
-    async def _holder(self, job: str) -> PeerNode:
-        """The holder, looked up at most every RESOLVE_TTL_S per process (a restore opens
-        the tier for each listing and read: one controller call serves them all)."""
+    async def _holder(self, job: str, reading: bool) -> PeerNode:
+        """The node to store at (or with ``reading``, to read from), looked up at most every
+        RESOLVE_TTL_S per process (a restore opens the tier for each listing and read: one
+        controller call serves them all)."""
+        from flashckpt.proto import controller_pb2 as pb
+
         key, now = self._key(job), time.monotonic()
         held = _RESOLVED.get(key)
-        if held is not None and now - held[0] < RESOLVE_TTL_S:
-            self.peer = held[1]
-            return held[1]
-        reply = await _job_status(job, None)
-        nodes = _nodes(reply)
-        _, _, me, domain, _, _ = key
-        if self.named:
-            found = next((n for n in nodes if n.name == self.named and n.address), None)
-        else:
-            found = holder(nodes, me, self.hop, domain)
-        if found is None:
-            reported = any(r.source == me for n in reply.nodes for r in n.replicas)
-            raise NoHolder(
-                f"peer replicas of job {job!r}: no node can hold node {me}'s replica "
-                f"({self._wanted()}; the controller lists {sorted(n.name for n in nodes)})",
-                reported,
-            )
-        _RESOLVED[key] = (now, found)
-        self.peer = found
-        return found
+        if held is None or now - held[0] >= RESOLVE_TTL_S:
+            _, _, me, domain, named, hop = key
+            reply = await _ask(job, None, "Holders", pb.HoldersRequest(
+                job=job, node=me, hop=hop, failure_domain=domain, named=named))  # fmt: skip
+            store, read = (PeerNode(h.node, h.address) for h in (reply.assigned, reply.read_from))
+            if not read.address:
+                read = store
+            if not store.address:
+                raise NoHolder(
+                    f"peer replicas of job {job!r}: no node can hold node {me}'s replica "
+                    f"({self._wanted()}; the controller knows no node serving replicas outside "
+                    "its failure domain)",
+                    reply.reported,
+                )
+            held = _RESOLVED[key] = (now, store, read)
+        self.peer = held[2] if reading else held[1]
+        return self.peer
 
     def _wanted(self) -> str:
         return f"node {self.named}" if self.named else f"hop {self.hop}"
@@ -199,11 +193,19 @@ class PeerTier(Tier):
         try:
             sock.settimeout(wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.keep_alive(sock)
             contexts = wire.tls_contexts()
             if contexts is not None:
-                sock = contexts[1].wrap_socket(sock)
-            _send(sock, {"op": "hello", "job": job, "token": token, "node": config.node_name()})
-            _reply(sock, f"peer {peer.name}")
+                try:
+                    sock = contexts[1].wrap_socket(sock, server_hostname=peer.name)
+                except ssl.SSLError as exc:
+                    raise TierUnavailableError(
+                        f"peer {peer.name} at {peer.address}: TLS failed ({exc}); every node "
+                        "needs a certificate the CA in FLASHCKPT_CONTROLLER_TLS_CA signed"
+                        + (f", naming the node ({peer.name})" if wire.tls_checks_names() else "")
+                    ) from None
+            hands = wire.ClientHandshake(token, SERVICE, job, config.node_name(), peer.name)
+            wire.shake_hands(sock, hands)
             yield sock
         except TimeoutError:
             raise TierUnavailableError(
@@ -213,7 +215,7 @@ class PeerTier(Tier):
         finally:
             sock.close()
 
-    async def _call(self, key_or_prefix: str, fn, *args: Any,
+    async def _call(self, key_or_prefix: str, fn, *args: Any, reading: bool = True,
                     stop: threading.Event | None = None) -> Any:  # fmt: skip
         job = key_or_prefix.split("/", 1)[0]
         config.validate_name("job", job)
@@ -221,7 +223,7 @@ class PeerTier(Tier):
 
         endpoint = Endpoint.load(config.run_dir(), job)
         token = endpoint.token if endpoint is not None else ""
-        peer = await self._holder(job)
+        peer = await self._holder(job, reading)
 
         def run() -> Any:
             with self._connect(peer, job, token) as sock:
@@ -241,7 +243,8 @@ class PeerTier(Tier):
         check_key(key)
         views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
         stop = threading.Event()  # set when the caller is cancelled: the send ends there
-        await self._call(key, _put, key, views, size, stop, stop=stop)
+        await self._call(key, _put, key, views, size, stop, reading=False, stop=stop)
+        _listings_stale(key)
 
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         check_key(key)
@@ -262,6 +265,11 @@ class PeerTier(Tier):
         check_key(prefix, prefix=True)
         if not prefix:
             raise ConfigError(f"tier {self.spec.url} lists one job's keys: give 'job/'")
+        job = prefix.split("/", 1)[0]
+        config.validate_name("job", job)
+        return await _once_per_node(self._listing_path(job, prefix), lambda: self._list(prefix))
+
+    async def _list(self, prefix: str) -> list[str]:
         try:
             return await self._call(prefix, _list, prefix)
         except NoHolder as exc:
@@ -271,15 +279,25 @@ class PeerTier(Tier):
             # one node, or one whose other nodes have not reported yet): there is none.
             return []
 
+    def _listing_path(self, job: str, prefix: str) -> Any:
+        tag = hashlib.sha256(repr((self._key(job), prefix)).encode()).hexdigest()[:16]
+        return config.run_dir() / f"{job}.peer-listing-{tag}.json"
+
     async def delete(self, prefix: str) -> None:
         check_key(prefix, prefix=True)
-        await self._call(prefix, _delete, prefix)
+        await self._call(prefix, _delete, prefix, reading=False)
+        _listings_stale(prefix)
 
     async def leftovers(self, prefix: str) -> list[Leftover]:
-        return []  # the holder discards a broken upload at once: nothing is left over
+        """What crashed uploads of this node left at its holder."""
+        check_key(prefix, prefix=True)
+        try:
+            return await self._call(prefix, _leftovers, prefix, reading=False)
+        except NoHolder:
+            return []
 
     async def remove_leftover(self, leftover: Leftover) -> None:
-        return None
+        await self._call(leftover.key, _remove_leftover, leftover, reading=False)
 
     def describe(self) -> str | None:
         peer = self.peer
@@ -289,29 +307,65 @@ class PeerTier(Tier):
         return None
 
 
+async def _once_per_node(path: Any, list_now) -> list[str]:
+    """``list_now()``, or what another process of this node (a rank restoring beside this one)
+    got from it less than LISTING_TTL_S ago, its error included where it was slow to come: the
+    first rank to come lists while the others wait on a lock."""
+    fd = await in_thread(_locked, f"{path}.lock")
+    try:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            # Another process's answer: this one's own calls each list anew.
+            fresh = time.time() - float(doc["at"]) < LISTING_TTL_S and doc["pid"] != os.getpid()
+        except (OSError, ValueError, KeyError, TypeError):
+            doc, fresh = None, False
+        if fresh and isinstance(doc.get("keys"), list):
+            return [k for k in doc["keys"] if isinstance(k, str)]
+        if fresh and isinstance(doc.get("error"), str):
+            raise TierUnavailableError(doc["error"])
+        began = time.monotonic()
+        try:
+            keys = await list_now()
+        except TierUnavailableError as exc:
+            # A slow failure (a holder that does not answer) is shared: each rank would wait
+            # as long. A quick one (refused) is not: the next rank tries for itself.
+            if time.monotonic() - began >= SHARED_FAILURE_S:
+                _write_listing(path, {"at": time.time(), "pid": os.getpid(), "error": str(exc)})
+            raise
+        _write_listing(path, {"at": time.time(), "pid": os.getpid(), "keys": keys})
+        return keys
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _listings_stale(key: str) -> None:
+    """This node's shared listings of the key's job no longer hold: drop them."""
+    for path in config.run_dir().glob(f"{key.split('/', 1)[0]}.peer-listing-*.json"):
+        path.unlink(missing_ok=True)
+
+
+def _locked(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _write_listing(path: Any, doc: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(OSError):
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+
+
 # ---- one request each, on a connected socket (run in a thread) -----------------------------
 def _send(sock: socket.socket, header: dict) -> None:
     sock.sendall(wire.encode(header))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, out: memoryview) -> None:
-    got = 0
-    while got < len(out):
-        n = sock.recv_into(out[got : got + wire.PIECE])
-        if not n:
-            raise wire.WireError("failed", "the peer hung up mid-transfer")
-        got += n
-
-
-def _reply(sock: socket.socket, where: str) -> dict:
-    n = wire.decode_length(_recv_exact(sock, 4))
-    return wire.checked(wire.decode(_recv_exact(sock, n)), where)
+def _reply(sock: socket.socket, peer: PeerNode) -> dict:
+    return wire.recv_frame(sock, f"peer {peer.name}")
 
 
 def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int,
@@ -320,7 +374,7 @@ def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int,
     # upload's sendall is one socket call: an upload is no restore's wait.
     sock.settimeout(IO_TIMEOUT_S)
     _send(sock, {"op": "put", "key": key, "size": size})
-    _reply(sock, f"peer {peer.name}")  # room made: send
+    _reply(sock, peer)  # room made: send
     sent = 0
     for view in views:
         flat = memoryview(view).cast("B")
@@ -330,34 +384,44 @@ def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int,
         sent += len(flat)
     if sent != size:
         raise wire.WireError("bad", f"{key}: {sent} bytes given for a size of {size}")
-    _reply(sock, f"peer {peer.name}")
+    _reply(sock, peer)
 
 
 def _get(sock: socket.socket, peer: PeerNode, key: str, start: int, end: int | None) -> bytes:
     _send(sock, {"op": "get", "key": key, "start": start, "end": end})
-    size = _size(_reply(sock, f"peer {peer.name}"), peer)
-    return _recv_exact(sock, size)
+    size = _size(_reply(sock, peer), peer, None if end is None else max(0, end - start))
+    if end is not None:
+        return wire.recv_exact(sock, size)
+    # The whole object, its size the holder's word alone: memory grows with what arrives,
+    # never with what is declared.
+    out = bytearray()
+    while len(out) < size:
+        piece = sock.recv(min(size - len(out), PIECE))
+        if not piece:
+            raise wire.WireError("failed", "the peer hung up mid-transfer")
+        out += piece
+    return bytes(out)
 
 
 def _get_into(sock: socket.socket, peer: PeerNode, key: str, out: memoryview, start: int) -> None:
     view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
     _send(sock, {"op": "get", "key": key, "start": start, "end": start + len(view)})
-    size = _size(_reply(sock, f"peer {peer.name}"), peer)
+    size = _size(_reply(sock, peer), peer, len(view))
     if size != len(view):
         raise ValueError(
             f"peer {peer.name}: object {key!r} holds {size} bytes from byte {start}, expected "
             f"{len(view)}; it is truncated or the caller's size is wrong"
         )
-    _recv_into(sock, view)
+    wire.recv_into(sock, view, PIECE)
 
 
 def _get_scatter(sock: socket.socket, peer: PeerNode, key: str,
                  pieces: list[tuple[int, int, int]], size: int) -> None:  # fmt: skip
     _send(sock, {"op": "get", "key": key, "start": 0, "end": size})
-    got = _size(_reply(sock, f"peer {peer.name}"), peer)
+    got = _size(_reply(sock, peer), peer, size)
     if got != size:
         raise wire.WireError("bad", f"object {key!r} holds {got} bytes, the manifest says {size}")
-    scratch = memoryview(bytearray(min(size, wire.PIECE) or 1))
+    scratch = memoryview(bytearray(min(size, PIECE) or 1))
     at = 0
     for offset, address, n in pieces:
         if offset < at or offset + n > size:
@@ -365,7 +429,8 @@ def _get_scatter(sock: socket.socket, peer: PeerNode, key: str,
                                         f"after {at}")  # fmt: skip
         _skip(sock, scratch, offset - at)
         if n:
-            _recv_into(sock, memoryview((ctypes.c_char * n).from_address(address)).cast("B"))
+            target = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+            wire.recv_into(sock, target, PIECE)
         at = offset + n
     _skip(sock, scratch, size - at)
 
@@ -373,20 +438,22 @@ def _get_scatter(sock: socket.socket, peer: PeerNode, key: str,
 def _skip(sock: socket.socket, scratch: memoryview, n: int) -> None:
     while n > 0:
         step = min(n, len(scratch))
-        _recv_into(sock, scratch[:step])
+        wire.recv_into(sock, scratch[:step])
         n -= step
 
 
-def _size(reply: dict, peer: PeerNode) -> int:
+def _size(reply: dict, peer: PeerNode, asked: int | None) -> int:
+    """The size the holder declares, checked: a whole number, no more than was asked."""
     size = reply.get("size")
-    if type(size) is not int or size < 0:
-        raise wire.WireError("bad", f"peer {peer.name} answered a size of {size!r}")
+    if type(size) is not int or size < 0 or (asked is not None and size > asked):
+        raise wire.WireError("bad", f"peer {peer.name} answered a size of {size!r}"
+                                    + (f" to a request for {asked} bytes" if asked is not None else ""))  # fmt: skip
     return size
 
 
 def _list(sock: socket.socket, peer: PeerNode, prefix: str) -> list[str]:
     _send(sock, {"op": "list", "prefix": prefix})
-    keys = _reply(sock, f"peer {peer.name}").get("keys")
+    keys = _reply(sock, peer).get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise wire.WireError("bad", f"peer {peer.name} answered a listing that is not keys")
     return sorted(keys)
@@ -394,7 +461,24 @@ def _list(sock: socket.socket, peer: PeerNode, prefix: str) -> list[str]:
 
 def _delete(sock: socket.socket, peer: PeerNode, prefix: str) -> None:
     _send(sock, {"op": "delete", "prefix": prefix})
-    _reply(sock, f"peer {peer.name}")
+    _reply(sock, peer)
+
+
+def _leftovers(sock: socket.socket, peer: PeerNode, prefix: str) -> list[Leftover]:
+    _send(sock, {"op": "leftovers", "prefix": prefix})
+    found = _reply(sock, peer).get("leftovers")
+    try:
+        out = [Leftover(check_key(d["key"]), str(d["name"]),
+                        None if d["size"] is None else int(d["size"]), float(d["modified"]))
+               for d in found]  # fmt: skip
+    except (TypeError, KeyError, ValueError, ConfigError):
+        raise wire.WireError("bad", f"peer {peer.name} answered leftovers that are not") from None
+    return out
+
+
+def _remove_leftover(sock: socket.socket, peer: PeerNode, leftover: Leftover) -> None:
+    _send(sock, {"op": "remove_leftover", "key": leftover.key, "name": leftover.name})
+    _reply(sock, peer)
 
 
 def _as_error(exc: wire.WireError, peer: PeerNode) -> Exception:

@@ -22,7 +22,10 @@ class Nodes:
 
     def __init__(self, tmp_path, monkeypatch, job: str, names: list[str]):
         self.tmp, self.mp, self.job = tmp_path, monkeypatch, job
-        self.controller = InThread(Controller(), "127.0.0.1:0", TOKEN)
+        # With the controller's TLS files set, the controller and the stores use them.
+        tls = control.Tls.from_env(server=True)
+        self.tls = tls is not None
+        self.controller = InThread(Controller(), "127.0.0.1:0", TOKEN, tls)
         self.address = f"127.0.0.1:{self.controller.start_serving()}"
         self.stores: dict[str, replicas_module.ReplicaStore] = {}
         self.loop = asyncio.new_event_loop()
@@ -30,7 +33,7 @@ class Nodes:
             run_dir = self.run_dir(name)
             shm = tmp_path / f"shm-{name}"
             shm.mkdir()
-            store = replicas_module.ReplicaStore(job, shm, run_dir)
+            store = replicas_module.ReplicaStore(job, shm, run_dir, node=name)
             self.loop.run_until_complete(store.start("127.0.0.1"))
             self.stores[name] = store
             self.report_address(name, store.address)
@@ -39,7 +42,7 @@ class Nodes:
         path = self.tmp / f"run-{name}"
         if not path.exists():
             path.mkdir(mode=0o700)
-            control.Endpoint(self.address, TOKEN).save(path, self.job)
+            control.Endpoint(self.address, TOKEN, self.tls).save(path, self.job)
         return path
 
     def as_node(self, name: str) -> None:

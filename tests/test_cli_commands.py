@@ -28,6 +28,7 @@ from flashckpt.storage_tiers import open_tier
 
 from flashckpt.cli import build_parser
 from flashckpt.cli.common import Progress, Secrets
+from flashckpt.config import replicas_dir
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Manifest
@@ -409,6 +410,13 @@ def test_gc_shm_removes_only_what_dead_jobs_left(shm_dir, run_dir):
     gone.wait()  # its pid is a dead agent's
     for name in ("dead.pid", "dead.sock", "dead.controller", "dead.log"):
         (run_dir / name).write_text(f"{gone.pid}\n")
+    # The dead agent held another node's replica, and an upload into it crashed; the live
+    # job's replicas stay.
+    for job in ("dead", "live"):
+        held = replicas_dir(shm_dir, job) / "node7" / job / "step-000000000003"
+        held.mkdir(parents=True)
+        (held / "rank-0.data").write_bytes(b"r" * 64)
+        (held / ".tmp-rank-1.data-0123456789ab").write_bytes(b"half")
     with live_trainer("live"):
         planned = as_json(cli("gc", "shm", "--dry-run", "--json"))
         by_job = {j["job"]: j for j in planned["jobs"]}
@@ -419,6 +427,9 @@ def test_gc_shm_removes_only_what_dead_jobs_left(shm_dir, run_dir):
         assert done.returncode == 0, done.stderr
         assert "removed job dead:" in done.stdout and "kept job live:" in done.stdout
         assert not (shm_dir / "dead").exists()
+        assert not replicas_dir(shm_dir, "dead").exists()
+        assert str(replicas_dir(shm_dir, "dead")) in done.stdout
+        assert any(replicas_dir(shm_dir, "live").rglob("rank-0.data"))
         assert sorted(p.name for p in run_dir.iterdir()) == ["dead.log"]
         assert any(p.name.startswith("rank-0.slot") for p in (shm_dir / "live").iterdir())
 

@@ -314,7 +314,9 @@ def test_ten_faults_in_one_run_and_nothing_grows_in_the_survivors(tmp_path, refe
     # After the second recovery (the first starts helpers a process starts once: the other
     # slot's preparer) against after the tenth: eight recoveries add nothing.
     second, last = zero[2], zero[-1]
-    assert last["fds"] <= second["fds"] and last["threads"] <= second["threads"], (second, last)
+    # A descriptor or two may still be closing when a busy machine samples (a destroyed
+    # group's sockets); one kept per recovery would be eight.
+    assert last["fds"] <= second["fds"] + 2 and last["threads"] <= second["threads"], (second, last)
     assert last["rss_kb"] - second["rss_kb"] < 30_000, (second, last)
     assert {r["groups"] for r in zero} == {1}  # each round's group, the old ones destroyed
     assert [r["groups"] for r in lines(run, "done")] == [0] * WORLD

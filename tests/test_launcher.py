@@ -10,6 +10,7 @@ plain ``init_process_group()``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
 NODES, PER_NODE = 2, 2
 TOKEN = "launcher-tests-" + uuid.uuid4().hex
+_RUN_DIRS = itertools.count()
 PEER = config.peer_urls(1)[0]  # the replica a multi-node job keeps by default
 
 
@@ -72,7 +74,8 @@ class Cluster:
         self.procs: list[subprocess.Popen | None] = [None] * nodes
         self.logs: list = [None] * nodes
         self.shm = [Path("/dev/shm") / f"flashckpt-test-{self.job}-n{n}" for n in range(nodes)]
-        self.run_dirs = [tmp / f"{name}-run{n}" for n in range(nodes)]
+        # Short names: the agent's unix socket path, under them, holds at most 107 bytes.
+        self.run_dirs = [tmp / f"r{next(_RUN_DIRS)}" for n in range(nodes)]
         self.starts = [0] * nodes
 
     def start(self, node: int) -> None:

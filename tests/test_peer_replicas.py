@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from faults import poll
+from flashckpt.agent.replicas import store_root
 from test_launcher import (
     PEER,
     PER_NODE,
@@ -64,8 +65,8 @@ def reference3(tmp_path_factory) -> str:
 def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read(
     tmp_path, reference3
 ):
-    """Three nodes, one replica each (node 0's on node 1, node 1's on node 2, node 2's on node
-    0), the shared tier at most every 5 steps. Nodes 1 and 2 are lost together after step 12:
+    """Three nodes, one replica each (placed by the controller: node 0's and node 1's on node 2,
+    node 2's on node 0), the shared tier at most every 5 steps. Nodes 1 and 2 are lost together after step 12:
     node 2's ranks could read step 12 from node 0's memory, but node 1's replica was on node
     2, so its ranks can read only what storage committed for every rank (a slow tier skips
     ahead, and node 0's agent may still complete a step after the others are stopped, so
@@ -83,7 +84,7 @@ def test_two_nodes_lost_with_one_replica_go_back_to_the_newest_step_all_can_read
         assert poll(lambda: (cluster.marks / "paused").exists(), 180), cluster.finish(1)
         # Node 2's step 12 is in node 0's memory (node 1's, waited for by the paused rank, is
         # in node 2's).
-        holder = Path(cluster.shm[0]) / f"{cluster.job}.replicas" / "node2"
+        holder = store_root(Path(cluster.shm[0]), cluster.job) / "node2"
         assert poll(lambda: any(holder.rglob("commit-node2.json")), 60)
         for n in (1, 2):
             cluster.signal_node(n, signal.SIGSTOP)

@@ -16,27 +16,14 @@ import torch
 from flashckpt.agent import replicas as replicas_module
 from flashckpt.proto import controller_pb2 as pb
 from flashckpt.storage_tiers import open_tier
-from flashckpt.storage_tiers.peer import PeerNode, holder
+from flashckpt.storage_tiers.peer import PeerNode
+from flashckpt.storage_tiers.peer_placement import assign
 from peer_cluster import TOKEN
 
 from flashckpt import Checkpointer
 from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
 from flashckpt.faults import control
 from flashckpt.format import layout
-
-
-def test_the_holder_is_the_next_node_by_name_that_can_hold():
-    nodes = [PeerNode("n1", "a:1"), PeerNode("n3", "a:3"), PeerNode("n2", "a:2"),
-             PeerNode("n4", "", ), PeerNode("n5", "a:5", lost=True)]  # fmt: skip
-    assert holder(nodes, "n1", 1).name == "n2"
-    assert holder(nodes, "n1", 2).name == "n3"
-    assert holder(nodes, "n3", 1).name == "n1"  # wraps around; n4 serves none, n5 is lost
-    assert holder(nodes, "n3", 3) is None  # only two nodes other than n3 can hold
-    assert holder(nodes, "n0", 1).name == "n1"  # a wiped node asks before it reports
-    racks = [PeerNode("a1", "x:1", "r1"), PeerNode("a2", "x:2", "r1"), PeerNode("b1", "x:3", "r2")]
-    assert holder(racks, "a1", 1, "r1").name == "b1"  # never in the source's failure domain
-    assert holder(racks, "a1", 2, "r1") is None
-    assert holder(nodes, "n1", 0) is None
 
 
 def run(coro):
@@ -46,12 +33,13 @@ def run(coro):
 def test_objects_go_to_the_next_node_and_come_back_whole(nodes):
     cluster = nodes(["node0", "node1", "node2"])
     cluster.as_node("node1")
+    placed = assign([PeerNode(n, "a:1") for n in ("node0", "node1", "node2")], hops=2)
     data = bytes(range(256)) * 40_000  # about 10 MiB: several pieces on the wire
 
     async def go():
         tier = open_tier("peer://auto")
         await tier.put("pj/a/b", [memoryview(data[:5]), memoryview(data[5:])], len(data))
-        assert tier.peer.name == "node2"
+        assert tier.peer.name == placed["node1"][0]
         assert await tier.get("pj/a/b") == data
         assert await tier.get("pj/a/b", 10, 20) == data[10:20]
         out = bytearray(100)
@@ -64,20 +52,20 @@ def test_objects_go_to_the_next_node_and_come_back_whole(nodes):
         assert await tier.list("pj/") == []
 
     run(go())
-    held = cluster.stores["node2"].root
-    assert not any(held.rglob("b"))  # deleted from the holder's memory
+    target = placed["node1"][0]
+    assert not any(cluster.stores[target].root.rglob("b"))  # deleted from the holder's memory
     cluster.as_node("node0")  # another source node sees its own objects only
-    run(open_tier("peer://auto?hop=2").put("pj/x", [memoryview(b"x")], 1))
+    run(open_tier(f"peer://{target}").put("pj/x", [memoryview(b"x")], 1))
     cluster.as_node("node1")
-    assert run(open_tier("peer://node2").list("pj/")) == []
+    assert run(open_tier(f"peer://{target}").list("pj/")) == []
 
 
 def test_a_wrong_token_is_refused(nodes):
     cluster = nodes(["node0", "node1"])
     cluster.as_node("node0")
-    # The holder's node was given another token than this one.
+    # The holder's node was given another token than this one: it cannot prove the job's.
     control.Endpoint(cluster.address, "y" * 40).save(cluster.run_dir("node1"), "pj")
-    with pytest.raises(TierUnavailableError, match="wrong job or token"):
+    with pytest.raises(TierUnavailableError, match="did not prove that it holds the job's token"):
         run(open_tier("peer://auto").list("pj/"))
     control.Endpoint(cluster.address, TOKEN).save(cluster.run_dir("node1"), "pj")
     assert run(open_tier("peer://auto").list("pj/")) == []

@@ -9,7 +9,8 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from flashckpt.faults.store_gate import NONCE_BYTES, LoopbackStore, StoreGate, StoreTunnel, answer
+from flashckpt import node_channel as wire
+from flashckpt.faults.store_gate import SERVICE, LoopbackStore, StoreGate, StoreTunnel
 
 TOKEN = b"the-jobs-token"
 
@@ -47,11 +48,20 @@ def test_a_client_without_the_token_is_refused_and_changes_nothing(gate):
             client(wrong.port, timeout=1).set("flashckpt/ns/round", "99")
     finally:
         wrong.close()
-    with socket.create_connection(("127.0.0.1", gate.port)) as raw:  # a replayed answer
-        nonce = raw.recv(NONCE_BYTES)
-        raw.sendall(answer(TOKEN, b"\0" * NONCE_BYTES if nonce != b"\0" * NONCE_BYTES else b"1"))
-        raw.settimeout(5)
-        assert raw.recv(1) == b""  # closed without a word
+    # A proof recorded from one exchange, replayed in the next: the gate's nonce differs.
+    recorded = wire.ClientHandshake(TOKEN.decode(), SERVICE, "", "node0", "")
+    with socket.create_connection(("127.0.0.1", gate.port), timeout=5) as raw:
+        raw.sendall(recorded.hello())
+        proof = recorded.answer(wire.recv_frame(raw, "gate", wire.HELLO_LIMIT))
+        raw.sendall(proof)
+        assert wire.recv_frame(raw, "gate")["ok"] is True  # the first one passes
+    with socket.create_connection(("127.0.0.1", gate.port), timeout=5) as raw:
+        raw.sendall(recorded.hello())
+        wire.recv_frame(raw, "gate", wire.HELLO_LIMIT)
+        raw.sendall(proof)
+        with pytest.raises(wire.WireError, match="wrong job or token"):
+            wire.recv_frame(raw, "gate")
+        assert raw.recv(1) == b""  # and hung up on
     assert gate.refused >= 3
     right = StoreTunnel("127.0.0.1", gate.port, TOKEN)
     try:

@@ -15,7 +15,9 @@ removes them.
 ``gc shm`` removes the slot files (and the agents' stale socket, pid and controller files in
 ``FLASHCKPT_RUN_DIR``) of every job on this node whose processes are gone: no live agent holds
 its pid file, no live trainer owns a rank or beats a heartbeat page. The owner locks are held
-while the files go, so no trainer can start on them meanwhile. Logs stay unless ``--logs``.
+while the files go, so no trainer can start on them meanwhile. The replicas the job's agent held
+for other nodes go with them (its folder under ``_replicas``, and what crashed uploads left in
+it). Logs stay unless ``--logs``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +129,8 @@ def _jobs_on_node(shm: Path, run: Path) -> list[str]:
         names |= {d.name for d in shm.iterdir() if d.is_dir() and not d.is_symlink()}
     with contextlib.suppress(OSError):
         names |= {p.name[: -len(".pid")] for p in run.glob("*.pid")}
+    with contextlib.suppress(OSError):  # jobs this node held other nodes' replicas for
+        names |= {d.name for d in (shm / config.REPLICAS_DIR).iterdir() if d.is_dir()}
     return sorted(n for n in names if _valid(n))
 
 
@@ -190,11 +195,19 @@ def _collect(shm: Path, run: Path, job: str, dry: bool, logs: bool) -> dict[str,
                         "removed": []}  # fmt: skip
         doomed = [p for p in sorted((shm / job).glob("rank-*")) if not p.is_dir()]
         doomed += _run_files(run, job, logs) + ([pid_file] if pid_file.exists() else [])
+        held = config.replicas_dir(
+            shm, job
+        )  # other nodes' replicas, with what crashed uploads left
+        if held.is_dir() and not held.is_symlink():
+            doomed.append(held)
         if not dry:
             for rank in _ranks(shm, job):
                 free_rank(shm, job, rank)
             for path in doomed:  # the pid file while its lock is held, as its owner would
-                path.unlink(missing_ok=True)
+                if path == held:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 (shm / job).rmdir()
         return {"job": job, "live": None, "removed": [str(p) for p in doomed]}

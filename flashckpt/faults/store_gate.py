@@ -10,9 +10,12 @@ the store is never reachable directly:
   ``StoreGate`` on the address the job asked for, on that address alone;
 - every node's launcher runs a ``StoreTunnel``: its workers and standbys talk to a loopback
   port, and the tunnel carries each connection to the gate;
-- a connection passes the gate only by answering a fresh challenge with an HMAC-SHA256 of the
-  job's token (``FLASHCKPT_CONTROLLER_TOKEN``, the controller's), so the token never crosses
-  the network. What passes is then relayed byte for byte.
+- a connection passes the gate only through the node channel's handshake
+  (``flashckpt/node_channel.py``, shared with the replica store): each side proves with an
+  HMAC that it holds the job's token (``FLASHCKPT_CONTROLLER_TOKEN``, the controller's), so the
+  token never crosses the network and a tunnel never talks to a gate that cannot prove it
+  either. What passes is then relayed byte for byte. The handshake has one deadline, its
+  frames are a few KiB at most, and refused clients are logged at most once per 10 s.
 
 A process on a node can reach that node's tunnel, as it can the node's shared memory and
 agent: the node is the unit of trust, the network is not.
@@ -23,28 +26,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hashlib
-import hmac
 import logging
 import os
-import secrets
 import socket
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from flashckpt import config
+from flashckpt import node_channel as wire
+
 log = logging.getLogger(__name__)
 
-NONCE_BYTES = 32
-PURPOSE = b"flashckpt recovery store v1\n"
+SERVICE = "recovery-store"
 HANDSHAKE_TIMEOUT = 5.0
 CONNECT_RETRY_S = 30.0  # a store client's own wait (``TCPStore``'s timeout) for the store
 PIPE_BYTES = 1 << 16
-
-
-def answer(token: bytes, nonce: bytes) -> bytes:
-    """What a holder of ``token`` answers to the gate's challenge ``nonce``."""
-    return hmac.new(token, PURPOSE + nonce, hashlib.sha256).digest()
 
 
 def _loopback_listener() -> socket.socket:
@@ -147,6 +144,7 @@ class StoreGate:
     def __init__(self, host: str, port: int, token: bytes, store_timeout: float = 30.0):
         """OSError if ``host:port`` cannot be bound here (another node's address, or taken)."""
         self.token, self.host, self.refused = token, host, 0
+        self._refusals = wire.Refusals(log, "recovery store")
         self._thread = _Loop("flashckpt-store-gate")
         self._thread.start()
         try:
@@ -170,17 +168,21 @@ class StoreGate:
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        nonce = secrets.token_bytes(NONCE_BYTES)
+        hands = wire.ServerHandshake(self.token.decode(), SERVICE, None, "")
         try:
-            writer.write(nonce)
-            await writer.drain()
-            got = await asyncio.wait_for(reader.readexactly(32), HANDSHAKE_TIMEOUT)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
-            got = b""
-        if not hmac.compare_digest(got, answer(self.token, nonce)):
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                writer.write(hands.challenge(await wire.read_frame(reader, wire.HELLO_LIMIT)))
+                await writer.drain()
+                node = hands.check(await wire.read_frame(reader, wire.HELLO_LIMIT))
+                writer.write(wire.encode({"ok": True}))
+                await writer.drain()
+        except (TimeoutError, wire.WireError, asyncio.IncompleteReadError, ConnectionError,
+                OSError) as exc:  # fmt: skip
             self.refused += 1
-            log.warning("recovery store: refused a connection from %s that did not prove the "
-                        "job's token", peer)  # fmt: skip
+            self._refusals.refused(peer, f"it did not prove the job's token ({exc or 'no answer'})")
+            if isinstance(exc, wire.WireError):
+                with contextlib.suppress(Exception):
+                    writer.write(wire.refusal(exc.code, str(exc)))
             writer.close()
             return
         try:
@@ -189,6 +191,7 @@ class StoreGate:
             log.warning("recovery store: %s", exc)
             writer.close()
             return
+        log.debug("recovery store: node %s connected from %s", node, peer)
         await _relay((reader, writer), store)
 
     def close(self) -> None:
@@ -232,13 +235,19 @@ class StoreTunnel:
                 pause = min(pause * 2, 1.0)
 
     async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hands = wire.ClientHandshake(self.token.decode(), SERVICE, "", config.node_name(), "")
         try:
             gate = await self._connect()
-            nonce = await asyncio.wait_for(gate[0].readexactly(NONCE_BYTES), HANDSHAKE_TIMEOUT)
-            gate[1].write(answer(self.token, nonce))
-            await gate[1].drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            log.warning("recovery store at %s:%d cannot be reached: %s", *self.remote, exc)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                gate[1].write(hands.hello())
+                await gate[1].drain()
+                gate[1].write(hands.answer(await wire.read_frame(gate[0], wire.HELLO_LIMIT)))
+                await gate[1].drain()
+                hands.done(await wire.read_frame(gate[0], wire.HELLO_LIMIT))
+        except (TimeoutError, wire.WireError, asyncio.IncompleteReadError, ConnectionError,
+                OSError) as exc:  # fmt: skip
+            log.warning("recovery store at %s:%d cannot be reached: %s", *self.remote,
+                        exc or "no answer")  # fmt: skip
             writer.close()
             return
         await _relay((reader, writer), gate)
