@@ -69,7 +69,8 @@ STALL_TIMEOUT_S = 30.0  # FLASHCKPT_PEER_STALL_TIMEOUT: the longest wait for a r
 MAX_CONNECTIONS = 256
 MAX_PER_ADDRESS = 32
 REQUEST_LIMIT = 64 << 10  # a request's header after the handshake (keys are short)
-SEND_PIECE = 8 << 20  # bytes of a get sent per deadline
+PIECE = 8 << 20  # bytes of a put read per deadline
+SEND_PIECE = 64 << 20  # bytes of a get sent per deadline (each sendfile call stalls the pipe)
 _COMMIT_NAME = re.compile(r"commit-[A-Za-z0-9._-]+\.json")
 
 
@@ -131,7 +132,7 @@ class ReplicaStore:
         contexts = wire.tls_contexts()
         self._tls = contexts[0] if contexts else None
         await self._remove_leftovers()
-        self._server = await asyncio.start_server(self._serve, host, port, limit=SEND_PIECE,
+        self._server = await asyncio.start_server(self._serve, host, port, limit=PIECE,
                                                   backlog=MAX_CONNECTIONS)  # fmt: skip
         bound = self._server.sockets[0].getsockname()
         self.address = f"[{host}]:{bound[1]}" if ":" in host else f"{host}:{bound[1]}"
@@ -334,7 +335,7 @@ class ReplicaStore:
             async def body():
                 left = size
                 while left:  # a sender that stalls is cut off: the put fails, its temp goes
-                    piece = await asyncio.wait_for(reader.readexactly(min(left, SEND_PIECE)),
+                    piece = await asyncio.wait_for(reader.readexactly(min(left, PIECE)),
                                                    stall)  # fmt: skip
                     left -= len(piece)
                     yield memoryview(piece)

@@ -348,3 +348,17 @@ def test_a_holder_gives_back_the_replicas_the_controller_says_expired(nodes):
     store = cluster.stores["node1"]
     cluster.call(store.expire(["node0", "..", "node9"]))  # a bad name and an absent one pass
     assert sorted(p.name for p in store.root.iterdir()) == ["node2"]
+
+
+def test_a_reader_that_stops_reading_is_cut_off(nodes, monkeypatch):
+    monkeypatch.setenv("FLASHCKPT_PEER_STALL_TIMEOUT", "0.5")
+    cluster = nodes(["node0", "node1"])
+    cluster.as_node("node0")
+    data = memoryview(bytes(48 << 20))  # more than the socket buffers hold
+    run(open_tier("peer://node1").put("pj/1/big", [data], len(data)))
+    store = cluster.stores["node1"]
+    with socket.create_connection(address_of(cluster, "node1"), timeout=10) as sock:
+        handshake(sock)
+        sock.sendall(wire.encode({"op": "get", "key": "pj/1/big", "start": 0, "end": len(data)}))
+        assert wire.recv_frame(sock, "holder")["size"] == len(data)
+        wait_for(lambda: not store._open, timeout=10, what="the stalled get to be cut off")
