@@ -9,7 +9,7 @@ A holder's copy of a source's replica expires (the holder is told in its report'
 it is not needed any more:
 
 - **moved**: the holder is none of the source's chosen holders at the hops its peer tiers use,
-  and one of those holders reports a replica of the source at least as new;
+  and one of those holders, not lost, reports a replica of the source at least as new;
 - **left**: the source is lost (or, once the controller has run a node timeout, unlisted),
   and a tier has committed a newer step for every rank of the job: no restore reads it again.
 
@@ -130,7 +130,8 @@ class ReplicaMap:
             chosen = set(assigned.get(source, [])[:hops]) | named
             if holder_name in chosen:
                 continue
-            if any(holders.get(h, (-1, -1)) >= mine for h in chosen if h != holder_name):
+            live = [h for h in chosen if h != holder_name and h in nodes and not nodes[h].lost]
+            if any(holders.get(h, (-1, -1)) >= mine for h in live):
                 out.append(source)
         return out
 

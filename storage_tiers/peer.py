@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import hashlib
-import json
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -52,6 +49,7 @@ from flashckpt import config
 from flashckpt import node_channel as wire
 from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
 
+from . import peer_listing as shared_listing
 from . import threads
 from .base import Leftover, Tier, TierSpec, check_key, iter_chunks
 from .peer_placement import PeerNode, holder
@@ -71,8 +69,6 @@ IO_TIMEOUT_S = 60.0  # one socket call of a sender's upload; a transfer may take
 SEND_PIECE = 1 << 20  # a put checks between pieces whether its caller was cancelled
 PIECE = 8 << 20  # bytes received per socket call
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
-LISTING_TTL_S = 2.0  # a node's ranks share a listing this fresh (they restore together)
-SHARED_FAILURE_S = 1.0  # a failed listing that took this long is shared too
 _RESOLVED: dict[tuple, tuple[float, PeerNode, PeerNode]] = {}  # key -> (when, store, read)
 
 
@@ -244,7 +240,7 @@ class PeerTier(Tier):
         views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
         stop = threading.Event()  # set when the caller is cancelled: the send ends there
         await self._call(key, _put, key, views, size, stop, reading=False, stop=stop)
-        _listings_stale(key)
+        shared_listing.stale(config.run_dir(), key)
 
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         check_key(key)
@@ -267,7 +263,8 @@ class PeerTier(Tier):
             raise ConfigError(f"tier {self.spec.url} lists one job's keys: give 'job/'")
         job = prefix.split("/", 1)[0]
         config.validate_name("job", job)
-        return await _once_per_node(self._listing_path(job, prefix), lambda: self._list(prefix))
+        path = self._listing_path(job, prefix)
+        return await shared_listing.once_per_node(path, lambda: self._list(prefix), peer_timeout())
 
     async def _list(self, prefix: str) -> list[str]:
         try:
@@ -286,7 +283,7 @@ class PeerTier(Tier):
     async def delete(self, prefix: str) -> None:
         check_key(prefix, prefix=True)
         await self._call(prefix, _delete, prefix, reading=False)
-        _listings_stale(prefix)
+        shared_listing.stale(config.run_dir(), prefix)
 
     async def leftovers(self, prefix: str) -> list[Leftover]:
         """What crashed uploads of this node left at its holder."""
@@ -305,58 +302,6 @@ class PeerTier(Tier):
 
     async def close(self) -> None:
         return None
-
-
-async def _once_per_node(path: Any, list_now) -> list[str]:
-    """``list_now()``, or what another process of this node (a rank restoring beside this one)
-    got from it less than LISTING_TTL_S ago, its error included where it was slow to come: the
-    first rank to come lists while the others wait on a lock."""
-    fd = await in_thread(_locked, f"{path}.lock")
-    try:
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-            # Another process's answer: this one's own calls each list anew.
-            fresh = time.time() - float(doc["at"]) < LISTING_TTL_S and doc["pid"] != os.getpid()
-        except (OSError, ValueError, KeyError, TypeError):
-            doc, fresh = None, False
-        if fresh and isinstance(doc.get("keys"), list):
-            return [k for k in doc["keys"] if isinstance(k, str)]
-        if fresh and isinstance(doc.get("error"), str):
-            raise TierUnavailableError(doc["error"])
-        began = time.monotonic()
-        try:
-            keys = await list_now()
-        except TierUnavailableError as exc:
-            # A slow failure (a holder that does not answer) is shared: each rank would wait
-            # as long. A quick one (refused) is not: the next rank tries for itself.
-            if time.monotonic() - began >= SHARED_FAILURE_S:
-                _write_listing(path, {"at": time.time(), "pid": os.getpid(), "error": str(exc)})
-            raise
-        _write_listing(path, {"at": time.time(), "pid": os.getpid(), "keys": keys})
-        return keys
-    finally:
-        os.close(fd)  # the lock goes with it
-
-
-def _listings_stale(key: str) -> None:
-    """This node's shared listings of the key's job no longer hold: drop them."""
-    for path in config.run_dir().glob(f"{key.split('/', 1)[0]}.peer-listing-*.json"):
-        path.unlink(missing_ok=True)
-
-
-def _locked(path: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def _write_listing(path: Any, doc: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(OSError):
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
 
 
 # ---- one request each, on a connected socket (run in a thread) -----------------------------

@@ -38,6 +38,9 @@ def test_a_copy_is_given_back_only_once_its_new_holder_holds_a_step_as_new():
     assert not report(c, old, [("n0", 12)]).expired_replicas
     assert ask(c, "n0") == (home, old)
     report(c, home, [("n0", 12)])
+    c.jobs["j"].nodes[home].lost = True  # the new holder is lost before the old copy goes
+    assert not report(c, old, [("n0", 12)]).expired_replicas
+    report(c, home, [("n0", 12)])  # back (a report clears lost)
     assert list(report(c, old, [("n0", 12)]).expired_replicas) == ["n0"]
     assert ask(c, "n0") == (home, home)
     assert not report(c, home, [("n0", 12)]).expired_replicas  # the holder keeps its own

@@ -362,3 +362,23 @@ def test_a_reader_that_stops_reading_is_cut_off(nodes, monkeypatch):
         sock.sendall(wire.encode({"op": "get", "key": "pj/1/big", "start": 0, "end": len(data)}))
         assert wire.recv_frame(sock, "holder")["size"] == len(data)
         wait_for(lambda: not store._open, timeout=10, what="the stalled get to be cut off")
+
+
+def test_a_rank_stopped_while_it_lists_holds_the_others_up_only_for_a_while(nodes, monkeypatch):
+    import fcntl
+    import os
+
+    monkeypatch.setenv("FLASHCKPT_PEER_TIMEOUT", "0.5")
+    cluster = nodes(["node0", "node1"])
+    cluster.as_node("node0")
+    tier = open_tier("peer://node1")
+    run(tier.put("pj/1/a", [memoryview(b"a")], 1))
+    lock = f"{tier._listing_path('pj', 'pj/')}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # another rank holds it, and is stopped
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        began = time.monotonic()
+        assert run(tier.list("pj/")) == ["pj/1/a"]
+        assert 1.0 <= time.monotonic() - began < 5  # twice the peer timeout, then on its own
+    finally:
+        os.close(fd)

@@ -153,6 +153,7 @@ def _run_files(run: Path, job: str, logs: bool) -> list[Path]:
     files = [control.file_path(run, job), control.launcher_path(run, job)]
     with contextlib.suppress(FlashCkptError):
         files.append(socket_path(run, job))
+    files += sorted(run.glob(f"{job}.peer-listing-*"))  # a restore's listing, shared by ranks
     if logs:
         files += [run / f"{job}.log", events_path(run, job)]
     return [f for f in files if os.path.lexists(f)]

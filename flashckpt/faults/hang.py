@@ -28,6 +28,10 @@ from .proc import parent_and_state
 
 log = logging.getLogger(__name__)
 
+# A stack dump is read once it has stopped growing this long: a worker continued on a busy
+# machine may pause that long between two threads of its dump (50 ms once cut a dump short).
+DUMP_QUIET_S = 0.2
+
 
 @dataclass(frozen=True)
 class HangPolicy:
@@ -137,7 +141,7 @@ class Watchdog:
             size = _size(path)
             if size != last:
                 last, since = size, time.monotonic()
-            elif size > before and time.monotonic() - since > 0.05:
+            elif size > before and time.monotonic() - since > DUMP_QUIET_S:
                 break  # the dump grew and has stopped growing
             time.sleep(0.01)
         try:
