@@ -107,7 +107,9 @@ class Controller:
         return self.replica_maps[name]
 
     def holders(self, request: pb.HoldersRequest) -> pb.HoldersReply:
-        job = self.jobs.get(request.job, JobState())
+        job = self.jobs.get(request.job)
+        if job is None:  # no node of it reported: nothing to place (and nothing kept for it)
+            return pb.HoldersReply(assigned=pb.PeerHolder(), read_from=pb.PeerHolder())
         return self.replica_map(request.job).holders(job.nodes, request)
 
     def watch(

@@ -86,3 +86,5 @@ def test_the_holder_query_is_small_at_a_thousand_nodes():
     assert reply.ByteSize() < 100 and status > 1000 * reply.ByteSize()
     wiped = c.holders(pb.HoldersRequest(job="j", node="node9999", hop=1))  # not listed yet
     assert wiped.assigned.node and not wiped.reported
+    unknown = c.holders(pb.HoldersRequest(job="other", node="node0007", hop=1))
+    assert not unknown.assigned.address and "other" not in c.replica_maps  # nothing kept for it
