@@ -38,18 +38,26 @@ class LearnedCommon:
     def learn(self, known: bool, keys: Iterable[Key]) -> bool:
         """Take a reply; True if the common steps changed. A reply that cannot tell (a node
         not heard from) or names none (a node that holds nothing yet) keeps what was learned:
-        the steps stay on the nodes that held them."""
-        new = tuple(sorted(keys))
+        the steps stay on the nodes that held them.
+
+        A step once answered stays learned (the newest ``ANSWERED`` are kept) even when a later
+        answer leaves it out. An answer is made of reports of different ages, so it can miss a
+        step that every node still holds; a node that forgot such a step would keep fewer
+        than ``keep_last`` common steps, and none older than the newest. Every node holds a
+        step it learned until it learns ``keep_last`` newer ones, so remembering it costs no
+        more than ``keep_last`` allows."""
         if not known:
             self.why = "the controller has not heard from every node of the job yet"
             return False
+        new = set(keys)
         if not new:
             self.why = "the controller finds no step that every node holds"
             return False
         self.why = ""
-        if new == self.keys:
+        merged = tuple(sorted(new | set(self.keys))[-ANSWERED:])
+        if merged == self.keys:
             return False
-        self.keys, self.version = new, self.version + 1
+        self.keys, self.version = merged, self.version + 1
         return True
 
     def common(self) -> Common:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, wait_for
+from flashckpt.agent.common_steps import ANSWERED
 from flashckpt.agent.controller import Controller, InThread
+from flashckpt.agent.node_retention import LearnedCommon
 from flashckpt.proto import controller_pb2 as pb
 from ports import free_port
 
@@ -81,6 +83,22 @@ def test_a_cut_list_of_common_steps_keeps_older_steps_in_their_stead():
     node = steps(*range(10))
     listed = Common(frozenset(steps(7, 8)), partial=True)
     assert kept(node, Lineage(), 4, None, common=listed) == set(steps(5, 6, 7, 8, 9))
+
+
+def test_a_step_once_answered_common_is_not_forgotten_when_an_answer_leaves_it_out():
+    """An answer built from reports of different ages can miss a step every node holds: the
+    node keeps it as common, so it never ends with fewer than ``keep_last`` common steps."""
+    learned = LearnedCommon()
+    assert learned.learn(True, [(0, 17), (0, 21)])
+    assert learned.learn(True, [(0, 29)])  # 21 left out, though both nodes hold it
+    node = steps(17, 20, 21, 22, 28, 29)
+    assert kept(node, Lineage(), 2, None, common=learned.common()) == set(steps(21, 29))
+    assert not learned.learn(True, [(0, 21), (0, 29)])  # nothing new
+    assert not learned.learn(False, [])  # a reply that cannot tell changes nothing
+    assert learned.keys == ((0, 17), (0, 21), (0, 29))
+    for s in range(100, 100 + ANSWERED):  # only the newest ANSWERED are kept
+        learned.learn(True, [(0, s)])
+    assert len(learned.keys) == ANSWERED and learned.common().partial
 
 
 # ---- the controller's answer ---------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_the_hello_has_one_deadline_however_slowly_it_trickles(nodes, monkeypatc
         except OSError:
             pass  # hung up on
         took = closed_within(slow, 10) + (time.monotonic() - began)
-    assert 1.0 <= time.monotonic() - began < 4, took
+    # One deadline: a deadline per read would let the whole hello trickle in (20 s and more).
+    assert 1.0 <= time.monotonic() - began < 8, took
 
 
 def test_an_oversized_or_malformed_hello_is_refused_before_it_is_read(nodes, caplog):
@@ -379,6 +380,6 @@ def test_a_rank_stopped_while_it_lists_holds_the_others_up_only_for_a_while(node
         fcntl.flock(fd, fcntl.LOCK_EX)
         began = time.monotonic()
         assert run(tier.list("pj/")) == ["pj/1/a"]
-        assert 1.0 <= time.monotonic() - began < 5  # twice the peer timeout, then on its own
+        assert 1.0 <= time.monotonic() - began < 10  # twice the peer timeout, then on its own
     finally:
         os.close(fd)

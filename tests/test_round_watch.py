@@ -55,7 +55,7 @@ def test_the_groups_are_aborted_once_the_round_moves_on(source):
     moved = time.monotonic()
     move(4)
     wait_for(lambda: calls, 5, what="the abort")
-    assert calls[0] - moved < 1.0
+    assert calls[0] - moved < 3.0  # a few of its 0.2 s polls, even on a loaded machine
     assert watch.stop() is True and len(calls) == 1
 
 
@@ -68,7 +68,7 @@ def test_a_round_that_does_not_form_by_its_deadline_is_aborted_on_every_backend(
     watch = RoundWatch(where, 3, lambda: calls.append(time.monotonic()), deadline=0.4)
     watch.start()
     wait_for(lambda: calls, 5, what="the abort at the deadline")
-    assert 0.35 < calls[0] - began < 1.5
+    assert 0.35 < calls[0] - began < 3.0  # at the deadline, not before; late only by load
     assert watch.stop() is True and len(calls) == 1
     formed = RoundWatch(where, 3, lambda: calls.append(1), deadline=0.4)
     formed.start()

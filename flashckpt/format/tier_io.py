@@ -451,5 +451,7 @@ async def apply_retention(
         for gen, step in doomed:
             await tier.delete(layout.step_prefix(job, step, gen))
     if doomed and not dry_run:
-        log.info("%s: retention removed steps %s of job %s", tier.spec.url, doomed, job)
+        every = "" if common is None else f"; newest held by every node: {sorted(common.keys)[-4:]}"
+        log.info("%s: retention removed steps %s of job %s, kept %s%s", tier.spec.url, doomed,
+                 job, left, every)  # fmt: skip
     return Retired(doomed, leftovers, left)
