@@ -19,6 +19,12 @@ class ChecksumError(FlashCkptError, ValueError):
     """Stored bytes do not match the checksum recorded when they were written."""
 
 
+class PartlyRestoredError(CheckpointNotFoundError, ChecksumError):
+    """Every copy tried was found corrupt while it was being copied into the state, and no
+    step was restored: the state holds part of a corrupt copy, neither its old values nor a
+    step. Restore again from another source or step, or start the state afresh."""
+
+
 class StateMismatchError(FlashCkptError, ValueError):
     """The snapshot and the state being restored into differ in keys, shapes or dtypes."""
 

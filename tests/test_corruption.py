@@ -611,7 +611,10 @@ def test_asking_for_a_corrupt_step_names_it_as_not_restorable(shm, template):
     SLOTS["flipped_chunk"](files[STEP_NEW])
     with (
         Checkpointer(job=JOB, chunk_size=CHUNK) as ck,
-        pytest.raises(CheckpointNotFoundError, match=f"step {STEP_NEW} of job 'corrupt' rank 0"),
+        pytest.raises(
+            CheckpointNotFoundError,
+            match=f"step {STEP_NEW} was not restored, and the state holds part",
+        ),
     ):
         ck.restore(blank(), step=STEP_NEW)
 

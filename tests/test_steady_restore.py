@@ -12,7 +12,7 @@ from fake_device import installed
 from test_many_tensors import Counted, assert_same, many, values
 
 from flashckpt import Checkpointer
-from flashckpt.errors import ChecksumError, ManifestError
+from flashckpt.errors import ChecksumError, ManifestError, PartlyRestoredError
 from flashckpt.format import sealed
 from flashckpt.format.manifest import Entry
 from flashckpt.format.slot import HEADER_SIZE
@@ -38,7 +38,18 @@ class Spy:
         monkeypatch.setattr(steady_load, "producer", spy)
 
 
-def test_a_state_shaped_as_the_snapshot_is_filled_in_one_pass(shm_dir, monkeypatch):
+@pytest.fixture(params=["compiled", "python"])
+def copy_path(request, monkeypatch):
+    """Each chunk copied and checked by the compiled copy, or from Python where it is not
+    built: both must land the same bytes and refuse the same corrupt ones."""
+    if request.param == "python":
+        monkeypatch.setattr(entry_copy, "_native", None)
+    elif entry_copy._native is None:
+        pytest.skip("the compiled verified copy is not built here (no compiler, not x86-64)")
+    return request.param
+
+
+def test_a_state_shaped_as_the_snapshot_is_filled_in_one_pass(shm_dir, monkeypatch, copy_path):
     spy = Spy(monkeypatch)
     matched = []
     monkeypatch.setattr(into_state.Planner, "match",
@@ -135,7 +146,7 @@ def _flip(ck: Checkpointer, step: int, path: str, at: int) -> None:
 
 
 @pytest.mark.parametrize("chunk", [0, 2])
-def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, chunk):
+def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, chunk, copy_path):
     spy = Spy(monkeypatch)
     state = many(400)
     state["big"] = torch.randn(3 * 1024)  # three chunks of 4 KiB: queued chunk by chunk
@@ -153,6 +164,20 @@ def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, 
         assert ck.restore(target) == 1
     assert spy.taken == 2  # both tried on the steady path: the corrupt one, then the older
     assert_same(values(target) + [target["big"]], older)
+
+
+def test_a_restore_that_wrote_part_of_a_corrupt_copy_and_found_no_other_says_so(shm_dir, copy_path):
+    """No step to fall back to: the state holds part of the corrupt copy, which the restore
+    reports as such (never as a restore of nothing that left the state as it was)."""
+    state = many(400)
+    with Checkpointer(job="steady-only-corrupt") as ck:
+        ck.save(1, state)
+        ck._sealer.drain()
+        _flip(ck, 1, "model/90", 3)
+        with pytest.raises(PartlyRestoredError, match="holds part of a copy that failed"):
+            ck.restore(many(400, seed=4))
+        with pytest.raises(ChecksumError):  # what a caller of a corrupt-copy error catches
+            ck.restore(many(400, seed=4), step=1)
 
 
 def test_a_new_steps_sealed_entries_are_read_without_copying_one_per_entry(shm_dir, monkeypatch):
@@ -183,7 +208,9 @@ def test_a_new_steps_sealed_entries_are_read_without_copying_one_per_entry(shm_d
         assert made.calls >= 1 and entries[0] == entries.bare[0].but(checksums=(sums[0],))
 
 
-def test_a_corrupt_small_entry_is_named_with_the_checksum_recorded(shm_dir, monkeypatch, caplog):
+def test_a_corrupt_small_entry_is_named_with_the_checksum_recorded(
+    shm_dir, monkeypatch, caplog, copy_path
+):
     """A flipped byte in one of many one-chunk entries: the steady restore refuses that
     step, saying which entry and what the seal recorded, and restores the older one."""
     state = many(400)
@@ -207,7 +234,7 @@ def test_a_corrupt_small_entry_is_named_with_the_checksum_recorded(shm_dir, monk
     assert "chunk 0 of 'model/50'" in said and "the manifest recorded" in said
 
 
-def test_a_mismatch_names_the_entry_and_the_chunk():
+def test_a_mismatch_names_the_entry_and_the_chunk(copy_path):
     data = torch.zeros(4096 * 3, dtype=torch.uint8)
     entry = Entry("w", "tensor", "uint8", (8192,), offset=0, nbytes=8192, first_chunk=0,
                   checksums=(0, 1))  # fmt: skip
@@ -223,7 +250,7 @@ def test_a_mismatch_names_the_entry_and_the_chunk():
         src.copy_many([torch.empty(64, dtype=torch.uint8)], [past], 4096)
 
 
-def test_device_targets_on_the_steady_path_are_uploaded(shm_dir, monkeypatch):
+def test_device_targets_on_the_steady_path_are_uploaded(shm_dir, monkeypatch, copy_path):
     spy = Spy(monkeypatch)
     uploads = []
     real = entry_copy.Source._copy

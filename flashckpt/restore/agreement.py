@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import group
-from ..errors import TierUnavailableError
+from ..errors import PartlyRestoredError, TierUnavailableError
 from ..format.lineage import Lineage, newest
+from . import entry_copy
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,16 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
         )
     # An optional source some rank skipped may hold newer steps of this branch than any seen.
     skipped = any(group.gather(any(getattr(src, "skipped", "") for src in sources)))
+    writes = entry_copy.writes()
     restored, source = _load_agreed(state, sources, held, mine, step, allow, opts, job)
+    if restored is None and any(group.gather(entry_copy.writes() != writes)):
+        asked = "no step was restored" if step is None else f"step {step} was not restored"
+        raise PartlyRestoredError(
+            f"job {job}: {asked}, and the state holds part of a copy that failed "
+            "part way (found corrupt, or rewritten while it was read: see the warnings "
+            "above), so it holds neither its old values nor a step; restore again from "
+            "another tier or step, or build the state afresh before training on"
+        )
     if restored is None and step is None and newest_held < 0:
         _warn_starting_over(job, [src.name for src in sources if getattr(src, "empty", False)])
     if step is None and restored is not None and restored < newest_held:

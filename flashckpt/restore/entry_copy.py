@@ -6,21 +6,25 @@ tensors; ``flush()`` copies everything queued in one pass over all its chunks, s
 over the restore workers, each chunk's crc32c checked against the manifest, and returns once
 every byte has landed:
 
-* into host tensors: a worker copies a chunk (a piece at a time for a large one) and
-  checksums the source bytes it just read while they are still in its cache, so verifying
-  costs a second read of cache, not of memory. The source is read under its reader's lock
-  (a slot's, or a private buffer), so the bytes checked are the bytes copied. Per chunk the
-  worker does a copy and a checksum call and nothing else: at thousands of small tensors the
-  Python around them is what a restore costs;
+* into host tensors: each worker takes a share of the chunks in one call of the compiled
+  verified copy (``flashckpt/_verified_copy.c``, without the GIL), which loads each word of
+  a chunk once, stores it in the target and folds it into the chunk's crc32c: one pass over
+  the bytes, and no Python per chunk, which at thousands of small tensors is what a restore
+  would cost. The offsets and sizes of a layout's chunks are planned once (``_HostPlan``).
+  Where the compiled copy is not built, a worker copies a chunk (a piece at a time for a
+  large one) and checksums the bytes it just read while they are still in its cache. The
+  source is read under its reader's lock (a slot's, or a private buffer), so the bytes
+  checked are the bytes copied;
 * into device tensors: a worker copies a piece into one of its own page-locked staging
-  buffers, checksums it there and uploads it from there on a copy stream of the device,
+  buffers, checksumming it as it is copied (the compiled copy), and uploads it from there on a copy stream of the device,
   reusing a buffer once its upload has landed; so checksums, host copies and the DMA all run
   at once. A source that is page-locked already (a slot this process registered) is uploaded
   from directly, checksummed beside the upload.
 
 Targets that are not plain bytes (strided, lazily conjugated) are verified, then copied with
 a typed copy at once. A mismatch raises ChecksumError; the caller falls back to another
-source, which rewrites every entry.
+source, which rewrites every entry. ``writes()`` counts the copies begun, so that a restore
+that found every copy bad can say the state holds part of one.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ManifestError
@@ -52,6 +57,32 @@ _STAGE = 4 << 20  # one staging buffer of a device upload
 _RING = 3  # staging buffers per worker: one filling, the others uploading
 _N_WORKERS = max(1, min(8, os.cpu_count() or 1))
 _SHARED_MIN = 48 << 10  # host chunks smaller on average are copied by one thread
+_UNCHECKED = -1  # the crc32c expected of a chunk that is not checked
+
+
+def _native_copy() -> Any:
+    """The compiled verified copy (``flashckpt/_verified_copy.c``), or None where it was not
+    built or this CPU lacks the crc32c instruction: chunks are then copied from Python."""
+    try:
+        from .. import _verified_copy
+    except ImportError:
+        return None
+    return _verified_copy if _verified_copy.available() else None
+
+
+_native = _native_copy()
+_written = threading.local()  # per restoring thread: how often targets began to be written
+
+
+def writes() -> int:
+    """How many times this thread began writing a copy's bytes into targets (a restore
+    that finds a copy corrupt part way has written part of it)."""
+    return getattr(_written, "n", 0)
+
+
+def _writing() -> None:
+    _written.n = writes() + 1
+
 
 Queued = tuple[torch.Tensor, Entry, int]  # (target, entry, chunk size)
 Bad = tuple[int, int, int]  # (queued item, chunk, crc found)
@@ -110,6 +141,34 @@ def _spread(sizes: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
 
 
+class _HostPlan:
+    """What a restore into host tensors needs of a layout's entries when every one is a
+    single chunk: their offsets and sizes, checked against the data region once. A state
+    restored again (a rollback, a restore after each fault) finds its layout's plan made."""
+
+    _last: _HostPlan | None = None
+
+    def __init__(self, entries: Any, cs: int, data_len: int, frm: list[int], size: list[int]):
+        self.entries, self.key = entries, (cs, data_len)
+        self.frm, self.size = frm, size
+        self.arrays = (np.array(frm, dtype=np.int64), np.array(size, dtype=np.int64))
+
+    @classmethod
+    def of(cls, entries: Any, cs: int, data_len: int) -> _HostPlan | None:
+        """The plan of ``entries`` (a layout's, kept while it is used: the same object), or
+        None where an entry is not one chunk within ``data_len``."""
+        last = cls._last
+        if last is not None and last.entries is entries and last.key == (cs, data_len):
+            return last
+        size, frm = list(map(_NBYTES, entries)), list(map(_OFFSET, entries))
+        if not size or min(size) <= 0 or max(size) > cs or min(frm) < 0:
+            return None
+        if max(map(operator.add, frm, size)) > data_len:
+            return None
+        cls._last = cls(entries, cs, data_len, frm, size)
+        return cls._last
+
+
 class _HostChunks:
     """Chunks queued for host targets, one column per field (the usual state's thousands of
     one-chunk entries are queued in a few C-level passes, and copied without a tuple each)."""
@@ -121,8 +180,9 @@ class _HostChunks:
         self.to: list[int] = []  # target address
         self.frm: list[int] = []  # offset in the source's data
         self.size: list[int] = []
-        self.want: list[int | None] = []  # crc32c expected; None: not checked
+        self.want: list[int] = []  # crc32c expected; _UNCHECKED: not checked
         self.targets: list[torch.Tensor] = []  # held until copied: ``to`` is their memory
+        self.plan: _HostPlan | None = None  # where every column but to and want is a plan's
 
     def add(self, dst: torch.Tensor, e: Entry, cs: int, sums: tuple[int, ...] | None) -> None:
         self.targets.append(dst)
@@ -134,18 +194,16 @@ class _HostChunks:
             self.to.append(ptr + lo)
             self.frm.append(e.offset + lo)
             self.size.append(min(cs, e.nbytes - lo))
-            self.want.append(None if sums is None else sums[i])
+            self.want.append(_UNCHECKED if sums is None else sums[i])
 
     def add_small(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
                   cs: int, data_len: int, verify: bool) -> bool:  # fmt: skip
         """``add`` in C-level passes for the usual case: every entry one chunk, within
         ``data_len``, with its checksum (or unverified); False (nothing added) otherwise."""
-        bare = bare_entries(entries)
-        ns, ats = list(map(_NBYTES, bare)), list(map(_OFFSET, bare))
-        if not ns or min(ns) <= 0 or max(ns) > cs or min(ats) < 0:
+        plan = _HostPlan.of(bare_entries(entries), cs, data_len)
+        if plan is None:
             return False
-        if max(map(operator.add, ats, ns)) > data_len:
-            return False
+        n = len(plan.size)
         if verify:
             flat = one_per_entry(entries)  # every entry is one chunk: they are its own
             if flat is not None:
@@ -156,19 +214,55 @@ class _HostChunks:
                     return False
                 self.want.extend(map(_FIRST, sums))
         else:
-            self.want.extend(itertools.repeat(None, len(ns)))
-        self.entry.extend(bare)
-        self.cs.extend(itertools.repeat(cs, len(ns)))
-        self.index.extend(itertools.repeat(0, len(ns)))
+            self.want.extend(itertools.repeat(_UNCHECKED, n))
+        self.plan = plan if not self.size else None  # the columns are the plan's alone
+        self.entry.extend(plan.entries)
+        self.cs.extend(itertools.repeat(cs, n))
+        self.index.extend(itertools.repeat(0, n))
         self.targets.extend(dsts)
         self.to.extend(map(torch.Tensor.data_ptr, dsts))
-        self.frm.extend(ats)
-        self.size.extend(ns)
+        self.frm.extend(plan.frm)
+        self.size.extend(plan.size)
         return True
+
+    def arrays(self) -> list[np.ndarray]:
+        """The columns to, frm, size and want as int64 arrays (a plan's own where it can)."""
+        if self.plan is not None and len(self.size) == len(self.plan.size):
+            frm, size = self.plan.arrays
+        else:
+            frm, size = np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64)
+        return [np.array(self.to, dtype=np.int64), frm, size, np.array(self.want, dtype=np.int64)]
 
     def mismatch(self, where: str, j: int, found: int) -> Exception:
         """The error for chunk ``j`` reading as ``found``."""
         return chunk_mismatch(where, self.entry[j], self.index[j], found, self.cs[j], self.want[j])
+
+
+def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
+    """Wait for every worker's share; raise for the first chunk found bad."""
+    wait(futures)
+    found = [r for f in futures if (r := f.result()) is not None]
+    if found:
+        j, _, value = found[0]
+        raise chunks.mismatch(where, j, value)
+
+
+def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> None:
+    """Run the compiled ``fn`` (``copy_checked``, ``checked_at``) over every chunk, one
+    share per worker where there is more than a piece's worth of bytes."""
+    cols = chunks.arrays()
+    n = len(chunks.size)
+
+    def share(first: int, last: int) -> Bad | None:
+        j, value = fn(*cols, first, last, *extra)
+        return None if j < 0 else (j, 0, value)
+
+    if sum(chunks.size) <= _PIECE:  # too little to hand off
+        found = share(0, n)
+        if found is not None:
+            raise chunks.mismatch(where, found[0], found[2])
+        return
+    _settle(chunks, where, [_workers().submit(share, a, b) for a, b in _spread(chunks.size)])
 
 
 Scatter = Callable[[list[tuple[int, int, int]]], None]
@@ -220,21 +314,20 @@ class Source:
             end = chunks.frm[j] + chunks.size[j]
         assert self.scatter is not None
         self.scatter([(chunks.frm[j], chunks.to[j], chunks.size[j]) for j in order])
+        if _native is not None:
+            _run_native(chunks, self.where, _native.checked_at)
+            return
         to, size, want = chunks.to, chunks.size, chunks.want
 
         def check(first: int, last: int) -> Bad | None:
             for j in range(first, last):
-                if want[j] is not None and size[j]:
+                if want[j] >= 0 and size[j]:
                     view = memoryview((ctypes.c_char * size[j]).from_address(to[j])).cast("B")
                     if (value := crc(view)) != want[j]:
                         return j, 0, value
             return None
 
-        found = [r for f in [_workers().submit(check, a, b) for a, b in _spread(size)]
-                 if (r := f.result()) is not None]  # fmt: skip
-        if found:
-            j, _, value = found[0]
-            raise chunks.mismatch(self.where, j, value)
+        _settle(chunks, self.where, [_workers().submit(check, a, b) for a, b in _spread(size)])
 
     def _raw(self, entry: Entry) -> torch.Tensor:
         raw = self.bytes()[entry.offset : entry.offset + entry.nbytes]
@@ -252,7 +345,9 @@ class Source:
         on_device = device.runtime().is_device_tensor(dst)
         plain = on_device or dst.device.type == "cpu"
         if not plain or not _byte_copyable(dst, entry.nbytes):
-            copy_into(dst, self.view(entry, chunk_size))
+            view = self.view(entry, chunk_size)
+            _writing()
+            copy_into(dst, view)
         elif not on_device:
             self._add_units([dst], [entry], chunk_size)
         elif entry.nbytes:
@@ -298,6 +393,8 @@ class Source:
         """Copy everything queued, verified; returns once it has landed."""
         chunks, self._chunks = self._chunks, _HostChunks()
         queued, self._queued = self._queued, []
+        if chunks.size or queued:
+            _writing()
         if chunks.size:
             self._copy_host(chunks)
         if not queued:
@@ -310,14 +407,22 @@ class Source:
             self._copy(items, rt, dev)
 
     def _copy_host(self, chunks: _HostChunks) -> None:
-        """Copy and check every chunk of ``chunks`` into host memory. Spread over the workers
-        where the chunks are large; chunks smaller than ``_SHARED_MIN`` on average are done
-        here in turn (two threads handing the GIL back and forth per small chunk cost more
-        than they share)."""
+        """Copy and check every chunk of ``chunks`` into host memory: each chunk's bytes are
+        checked as they are copied, by the compiled copy on every worker at once (it runs
+        without the GIL), or from Python where it is not built."""
         if self.data is None and self.scatter is not None:
             self._received_into(chunks)
             return
         whole = self.bytes()
+        if _native is not None:
+            _run_native(chunks, self.where, _native.copy_checked, whole.data_ptr())
+            return
+        self._copy_host_python(chunks, whole)
+
+    def _copy_host_python(self, chunks: _HostChunks, whole: torch.Tensor) -> None:
+        """``_copy_host`` in Python: spread over the workers where the chunks are large;
+        chunks smaller than ``_SHARED_MIN`` on average are done here in turn (two threads
+        handing the GIL back and forth per small chunk cost more than they share)."""
         data, base = memoryview(whole.numpy()), whole.data_ptr()
         memmove = ctypes.memmove
         to, frm, size, want = chunks.to, chunks.frm, chunks.size, chunks.want
@@ -328,30 +433,26 @@ class Source:
                                            want[first:last]):  # fmt: skip
                 if n <= _PIECE:
                     memmove(ptr, base + at, n)  # frees the GIL
-                    if crc_ is not None and (value := crc(data[at : at + n])) != crc_:
+                    if crc_ >= 0 and (value := crc(data[at : at + n])) != crc_:
                         return j, 0, value
                     continue
                 value = 0
                 for p in range(0, n, _PIECE):
                     q = min(p + _PIECE, n)
                     memmove(ptr + p, base + at + p, q - p)
-                    if crc_ is not None:
+                    if crc_ >= 0:
                         value = crc(data[at + p : at + q], value)
-                if crc_ is not None and value != crc_:
+                if crc_ >= 0 and value != crc_:
                     return j, 0, value
             return None
 
-        whole = sum(size) >= _SHARED_MIN * len(size)
-        spread = _spread(size) if whole else [(0, len(size))]
+        spread = _spread(size) if sum(size) >= _SHARED_MIN * len(size) else [(0, len(size))]
         if len(spread) == 1:  # one share: run it here, no hand-off
-            found = [r for r in [work(*spread[0])] if r is not None]
-        else:
-            futures = [_workers().submit(work, a, b) for a, b in spread]
-            wait(futures)
-            found = [r for f in futures if (r := f.result()) is not None]
-        if found:
-            j, _, value = found[0]
-            raise chunks.mismatch(self.where, j, value)
+            found = work(*spread[0])
+            if found is not None:
+                raise chunks.mismatch(self.where, found[0], found[2])
+            return
+        _settle(chunks, self.where, [_workers().submit(work, a, b) for a, b in spread])
 
     def _copy(self, items: list[Queued], rt: device.DeviceRuntime, dev: Hashable) -> None:
         """One pass over every chunk of ``items`` uploaded to ``dev``, spread over the restore
@@ -378,19 +479,25 @@ class Source:
                     at = entry.offset + p
                     if ring is None:  # uploaded straight from page-locked memory
                         rt.copy(stream, out[p:q], whole[at : at + q - p])
-                        piece = data[at : at + q - p]
-                    else:  # through a staging buffer, once its last upload has landed
-                        buf = ring[turn % _RING]
-                        turn += 1
-                        if buf[1] is not None:
-                            buf[1].synchronize()
-                        ctypes.memmove(buf[0].data_ptr(), base + at, q - p)
-                        rt.copy(stream, out[p:q], buf[0][: q - p])
-                        buf[1] = rt.new_event()
-                        buf[1].record(stream)
-                        piece = memoryview(buf[0].numpy())[: q - p]
-                    if check:
-                        value = crc(piece, value)
+                        if check:
+                            value = crc(data[at : at + q - p], value)
+                        continue
+                    # Through a staging buffer, once its last upload has landed; checked as
+                    # it is copied there (the compiled copy) or right after, in cache.
+                    buf = ring[turn % _RING]
+                    turn += 1
+                    if buf[1] is not None:
+                        buf[1].synchronize()
+                    staged = buf[0].data_ptr()
+                    if check and _native is not None:
+                        value = _native.copy_crc(staged, base + at, q - p, value)
+                    else:
+                        ctypes.memmove(staged, base + at, q - p)
+                        if check:
+                            value = crc(memoryview(buf[0].numpy())[: q - p], value)
+                    rt.copy(stream, out[p:q], buf[0][: q - p])
+                    buf[1] = rt.new_event()
+                    buf[1].record(stream)
                 if check and bad is None and value != entry.checksums[i]:  # type: ignore[index]
                     bad = (k, i, value)
             return bad
