@@ -16,8 +16,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_CRC_INSN 1
@@ -250,6 +252,108 @@ static PyObject *checked_at(PyObject *self, PyObject *const *args, Py_ssize_t na
     return Py_BuildValue("(nI)", bad, found);
 }
 
+#define BATCH_IOV 512           /* chunks read by one preadv */
+#define BATCH_BYTES (1u << 20)  /* bytes read by one preadv, then checked while in cache */
+#define GAP_MAX 4096            /* bytes between two chunks read past into scratch */
+
+/* read_checked(to, frm, size, want, first, last, fd) -> (row, crc, short): read each chunk's
+ * bytes [frm, frm + size) of the file ``fd`` straight into its target, in preadv batches of
+ * about a MiB, and check each one's crc32c while the batch is still in cache. ``row`` is
+ * the first chunk whose crc is not the one expected (-1: none); ``short`` is 1 where the
+ * file ended before a chunk did. Read errors raise OSError. */
+static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "read_checked takes 7 arguments");
+        return NULL;
+    }
+    Py_ssize_t first = PyLong_AsSsize_t(args[4]), last = PyLong_AsSsize_t(args[5]);
+    int fd = PyLong_AsLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (first < 0 || last < first) {
+        PyErr_SetString(PyExc_ValueError, "rows out of order");
+        return NULL;
+    }
+    if (!have_insn) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
+        return NULL;
+    }
+    Columns c;
+    if (columns(args, &c, last) < 0)
+        return NULL;
+    const int64_t *to = c.to.buf, *frm = c.frm.buf, *size = c.size.buf, *want = c.want.buf;
+    Py_ssize_t bad = -1;
+    uint32_t found = 0;
+    int short_read = 0, error = 0;
+#if HAVE_CRC_INSN
+    static uint8_t scratch[GAP_MAX];
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t j = first;
+    while (j < last && bad < 0 && !short_read && !error) {
+        /* One batch: consecutive chunks whose gaps are small, read by one preadv. */
+        struct iovec iov[BATCH_IOV];
+        int n = 0;
+        Py_ssize_t end = j;
+        int64_t start = frm[j], at = frm[j], bytes = 0;
+        while (end < last && n < BATCH_IOV - 1 && bytes < BATCH_BYTES) {
+            int64_t gap = frm[end] - at;
+            if (gap < 0 || gap > GAP_MAX)
+                break;
+            if (gap > 0)
+                iov[n++] = (struct iovec){scratch, (size_t)gap};
+            iov[n++] = (struct iovec){(void *)(uintptr_t)to[end], (size_t)size[end]};
+            at = frm[end] + size[end];
+            bytes += gap + size[end];
+            end++;
+        }
+        /* Read the batch whole, resuming after a short read. */
+        int64_t done = 0;
+        int k = 0;
+        while (done < bytes) {
+            ssize_t got = preadv(fd, iov + k, n - k, (off_t)(start + done));
+            if (got < 0) {
+                if (errno == EINTR)
+                    continue;
+                error = errno;
+                break;
+            }
+            if (got == 0) {
+                short_read = 1;
+                break;
+            }
+            done += got;
+            while (k < n && (size_t)got >= iov[k].iov_len) {
+                got -= (ssize_t)iov[k].iov_len;
+                k++;
+            }
+            if (k < n && got > 0) {
+                iov[k].iov_base = (uint8_t *)iov[k].iov_base + got;
+                iov[k].iov_len -= (size_t)got;
+            }
+        }
+        if (error || short_read)
+            break;
+        for (; j < end; j++) {
+            if (want[j] < 0)
+                continue;
+            uint32_t r = ~crc_only((const uint8_t *)(uintptr_t)to[j], (size_t)size[j], 0xffffffffu);
+            if (r != (uint32_t)want[j]) {
+                bad = j;
+                found = r;
+                break;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+#endif
+    release(&c, 4);
+    if (error) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(nIi)", bad, found, short_read);
+}
+
 /* copy_crc(dst, src, n, value) -> copy n bytes from address src to address dst and return
  * their crc32c, continuing ``value`` (a piece of a chunk staged for a device upload). */
 static PyObject *copy_crc_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -313,6 +417,8 @@ static PyMethodDef methods[] = {
      "Copy a run of chunks into their targets, each checked as it is copied."},
     {"checked_at", (PyCFunction)(void (*)(void))checked_at, METH_FASTCALL,
      "Check a run of chunks where they lie."},
+    {"read_checked", (PyCFunction)(void (*)(void))read_checked, METH_FASTCALL,
+     "Read a run of chunks of a file into their targets, each checked."},
     {"copy_crc", (PyCFunction)(void (*)(void))copy_crc_of, METH_FASTCALL,
      "Copy bytes between addresses and return their crc32c."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c, METH_FASTCALL, "crc32c of a buffer."},

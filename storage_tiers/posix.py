@@ -265,6 +265,11 @@ class PosixTier(Tier):
     async def get_into(self, key: str, out: memoryview, start: int = 0) -> None:
         await in_thread(self._get_into, key, out, start)
 
+    def open_fd(self, key: str) -> int:
+        """A file descriptor of ``key``'s file, open for reading (the caller closes it): a
+        restore reads each chunk of a rank's data from it straight into its target."""
+        return self._open_read(check_key(key))
+
     def _get_into(self, key: str, out: memoryview, start: int) -> None:
         view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         with os.fdopen(self._open_read(key), "rb", buffering=0) as f:

@@ -595,3 +595,28 @@ def test_training_moved_to_another_stream_calls_fence_there(shm_dir):
         fresh = dict(zip(("model", "optim"), _model(seed=3), strict=True))
         assert ck.restore(fresh) == 0
         _assert_same(_host(fresh), expected)
+
+
+def test_a_verified_restore_into_gpu_tensors_refuses_a_flipped_byte(shm_dir):
+    """Each piece staged for its upload is checked on the way: a flipped byte in the newest
+    step sends the restore to the older one, which lands whole on the GPU."""
+    from flashckpt.format.slot import HEADER_SIZE
+    from flashckpt.snapshot.slots import read_locked
+
+    state = {"w": torch.randn(3 << 20, device="cuda"), "b": torch.randn(1000, device="cuda")}
+    with Checkpointer(job="gpu-corrupt") as ck:
+        ck.save(1, state)
+        older = {k: v.cpu().clone() for k, v in state.items()}
+        state["w"].add_(1.0)
+        ck.save(2, state)
+        ck.wait(2)  # its copies have landed and it is published
+        ck._sealer.drain()
+        for slot in ck._pair.ready():
+            with read_locked(slot) as snap:
+                if snap is not None and snap.step == 2:
+                    entry = next(e for e in snap.manifest.entries if e.path == "w")
+                    slot.buf[HEADER_SIZE + entry.offset + (9 << 20) + 5] ^= 0xFF
+        target = {"w": torch.zeros(3 << 20, device="cuda"), "b": torch.zeros(1000, device="cuda")}
+        assert ck.restore(target) == 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(target[k].cpu(), older[k]) for k in older)

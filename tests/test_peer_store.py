@@ -21,7 +21,7 @@ from flashckpt.storage_tiers.peer_placement import assign
 from peer_cluster import TOKEN
 
 from flashckpt import Checkpointer
-from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
+from flashckpt.errors import CheckpointNotFoundError, PartlyRestoredError, TierUnavailableError
 from flashckpt.faults import control
 from flashckpt.format import layout
 
@@ -133,14 +133,18 @@ def test_a_restore_from_a_peer_checks_every_chunk(nodes, monkeypatch, shm_dir):
                            "--shm-dir", str(cluster.stores["node1"].shm_dir)],
                           capture_output=True, text=True, env=os.environ)  # fmt: skip
     assert "step 3 of node node0's ranks 0 held here" in here.stdout, here.stdout + here.stderr
-    # A flipped byte in the holder's copy: the restore refuses it, and nothing else holds it.
+    # A flipped byte in the holder's copy: the restore refuses it, and nothing else holds it;
+    # the state it was received into holds part of it, which the restore says.
     data = next(cluster.stores["node1"].root.rglob(layout.data_key("pr", 3, 0).split("/")[-1]))
     raw = bytearray(data.read_bytes())
     raw[7] ^= 0xFF
     data.write_bytes(bytes(raw))
     shutil.rmtree(shm_dir, ignore_errors=True)
-    with Checkpointer("peer://auto?keep_last=1", job="pr") as ck:
-        assert ck.restore({"w": torch.zeros(1000), "b": torch.zeros(10)}) is None
+    with (
+        Checkpointer("peer://auto?keep_last=1", job="pr") as ck,
+        pytest.raises(PartlyRestoredError, match="chunk|holds part of a copy"),
+    ):
+        ck.restore({"w": torch.zeros(1000), "b": torch.zeros(10)})
 
 
 def test_an_agent_whose_replica_store_cannot_be_served_still_persists(tmp_path):

@@ -267,3 +267,26 @@ def test_device_targets_on_the_steady_path_are_uploaded(shm_dir, monkeypatch, co
         assert_same(values(target), values(state))
     assert spy.taken == 1
     assert uploads == [len(values(state))]  # every tensor uploaded, in one pass
+
+
+def test_a_corrupt_chunk_on_its_way_to_the_device_is_refused(shm_dir, copy_path):
+    """Device targets: each piece is checked as it is staged for its upload (the compiled
+    copy, or a copy then a checksum from Python); a flipped byte sends the restore to the
+    older step, whose bytes land whole."""
+    with installed():
+        state = many(400)
+        state["big"] = torch.randn(3 * 1024 * 1024)  # 12 MiB: several staged pieces
+        with Checkpointer(job="steady-device-corrupt") as ck:
+            ck.save(1, state)
+            older = values(state) + [state["big"].clone()]
+            with torch.no_grad():
+                for p in state["model"]:
+                    p.add_(1.0)
+                state["big"].add_(1.0)
+            ck.save(2, state)
+            ck.wait(2)  # its copies have landed and it is published
+            ck._sealer.drain()
+            _flip(ck, 2, "big", 9 * 1024 * 1024 + 5)
+            target = {**many(400, seed=4), "big": torch.zeros(3 * 1024 * 1024)}
+            assert ck.restore(target) == 1
+        assert_same(values(target) + [target["big"]], older)

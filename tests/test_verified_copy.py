@@ -103,3 +103,32 @@ def test_copy_crc_continues_a_chunk_piece_by_piece():
     value = native.copy_crc(dst.data_ptr(), src.data_ptr(), 40_000, 0)
     value = native.copy_crc(dst.data_ptr() + 40_000, src.data_ptr() + 40_000, 60_003, value)
     assert torch.equal(dst, src) and value == crc32c.crc32c(src.numpy().tobytes())
+
+
+@needs_native
+def test_a_files_chunks_are_read_into_their_targets_checked_and_a_cut_file_is_said(tmp_path):
+    """Chunks read straight from a tier's file: gaps between them read past, batches cut
+    where a gap is large, a chunk that reads wrong named, a file that ends early said."""
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    path = tmp_path / "data"
+    path.write_bytes(src.numpy().tobytes())
+    dst = torch.zeros(3 << 20, dtype=torch.uint8)
+    spans, at = [], 0
+    for i, n in enumerate([100, 5000, 1 << 20, 8, 0, 300_000, 64] * 2):
+        at += 10_000 if i == 5 else 64  # one gap too large to read past in a batch
+        spans.append((at, at, n))
+        at += n
+    to, frm, size, want = _rows(src, dst, spans)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert native.read_checked(to, frm, size, want, 0, len(spans), fd) == (-1, 0, 0)
+        for f, t, n in spans:
+            assert torch.equal(dst[t : t + n], src[f : f + n])
+        want[9] ^= 1
+        assert native.read_checked(to, frm, size, want, 0, len(spans), fd)[:2] == (9, want[9] ^ 1)
+        os.truncate(path, spans[-2][0] + 10)  # ends inside the chunk before the last
+        assert native.read_checked(to, frm, size, want, 10, len(spans), fd)[2] == 1
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        native.read_checked(to, frm, size, want, 0, 1, 10_000)  # not an open file

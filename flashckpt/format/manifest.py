@@ -173,6 +173,8 @@ class Manifest:
         by the caller (then it stands for ``tree``)."""
         # Built by hand: dataclasses.asdict deep-copies the tree and costs milliseconds per
         # save for a real model's state; the tree is JSON-ready already.
+        if tree_json is None:  # the tree last, as its own text: a reader checks it once
+            tree_json = self.tree_json or None
         doc = {f.name: getattr(self, f.name) for f in fields(self)}
         del doc["entries"]
         doc["lineage"] = self.lineage.to_doc()

@@ -151,7 +151,14 @@ class _HostPlan:
     def __init__(self, entries: Any, cs: int, data_len: int, frm: list[int], size: list[int]):
         self.entries, self.key = entries, (cs, data_len)
         self.frm, self.size = frm, size
-        self.arrays = (np.array(frm, dtype=np.int64), np.array(size, dtype=np.int64))
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``frm`` and ``size`` as int64 arrays, made on first use."""
+        if self._arrays is None:
+            self._arrays = (np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64))
+        return self._arrays
 
     @classmethod
     def of(cls, entries: Any, cs: int, data_len: int) -> _HostPlan | None:
@@ -165,8 +172,10 @@ class _HostPlan:
             return None
         if max(map(operator.add, frm, size)) > data_len:
             return None
-        cls._last = cls(entries, cs, data_len, frm, size)
-        return cls._last
+        plan = cls(entries, cs, data_len, frm, size)
+        if len(size) >= 64:  # a layout's (one entry at a time, as node by node, is not kept)
+            cls._last = plan
+        return plan
 
 
 class _HostChunks:
@@ -247,9 +256,12 @@ def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
         raise chunks.mismatch(where, j, value)
 
 
-def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> None:
-    """Run the compiled ``fn`` (``copy_checked``, ``checked_at``) over every chunk, one
-    share per worker where there is more than a piece's worth of bytes."""
+def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int,
+                started: bool = False) -> Callable[[], None] | None:  # fmt: skip
+    """Run the compiled ``fn`` (``copy_checked``, ``checked_at``, ``read_checked``) over
+    every chunk, one share per worker where there is more than a piece's worth of bytes.
+    ``started``: return once the shares are handed out, with the call that waits for them
+    (and raises for a bad chunk); else return when they are done."""
     cols = chunks.arrays()
     n = len(chunks.size)
 
@@ -257,12 +269,16 @@ def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> N
         j, value = fn(*cols, first, last, *extra)
         return None if j < 0 else (j, 0, value)
 
-    if sum(chunks.size) <= _PIECE:  # too little to hand off
+    if sum(chunks.size) <= _PIECE and not started:  # too little to hand off
         found = share(0, n)
         if found is not None:
             raise chunks.mismatch(where, found[0], found[2])
-        return
-    _settle(chunks, where, [_workers().submit(share, a, b) for a, b in _spread(chunks.size)])
+        return None
+    futures = [_workers().submit(share, a, b) for a, b in _spread(chunks.size)]
+    if started:
+        return lambda: _settle(chunks, where, futures)
+    _settle(chunks, where, futures)
+    return None
 
 
 Scatter = Callable[[list[tuple[int, int, int]]], None]
@@ -276,7 +292,9 @@ class Source:
     still to be fetched from a tier: then ``fetch`` reads them whole when an entry is asked
     for, and ``scatter``, where given, receives the host chunks queued straight into their
     targets instead (a restore from a peer's memory: no buffer to fault in and copy out of;
-    each chunk is checked where it landed)."""
+    each chunk is checked where it landed). ``opener``, where given, opens the data region's
+    file (a directory tier's): with the compiled copy, each host chunk is read from it
+    straight into its target and checked there while in cache."""
 
     data: torch.Tensor | None  # uint8, the whole data region; None: not fetched yet
     where: str
@@ -285,7 +303,9 @@ class Source:
     size: int = -1  # the data region's bytes (``data``'s where it is given)
     fetch: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
     scatter: Scatter | None = field(default=None, repr=False)
+    opener: Callable[[], int] | None = field(default=None, repr=False)  # a file's descriptor
     _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
+    _landing: Callable[[], None] | None = field(default=None, repr=False)  # copies started
     _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
 
     def __post_init__(self) -> None:
@@ -312,6 +332,9 @@ class Source:
             if chunks.frm[j] < end:
                 raise ManifestError(f"{self.where}: entries overlap at byte {chunks.frm[j]}")
             end = chunks.frm[j] + chunks.size[j]
+        if self.opener is not None and _native is not None:
+            self._read_into(chunks)
+            return
         assert self.scatter is not None
         self.scatter([(chunks.frm[j], chunks.to[j], chunks.size[j]) for j in order])
         if _native is not None:
@@ -328,6 +351,29 @@ class Source:
             return None
 
         _settle(chunks, self.where, [_workers().submit(check, a, b) for a, b in _spread(size)])
+
+    def _read_into(self, chunks: _HostChunks) -> None:
+        """Read every chunk from the data region's file into its target, checked as it lands
+        (the compiled copy), one share of the chunks per worker."""
+        assert self.opener is not None and _native is not None
+        fd = self.opener()
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.size:  # changed since it was checked against the manifest
+                raise ManifestError(f"{self.where}: the data holds {size} bytes, the manifest "
+                                    f"says {self.size}; restore from another tier or an older step")  # fmt: skip
+
+            def read(*cols_and_rows: Any) -> tuple[int, int]:
+                row, value, short = _native.read_checked(*cols_and_rows, fd)
+                if short:
+                    raise ManifestError(f"{self.where}: the data ended before its chunks did (it "
+                                        "was cut short while read); restore from another tier "
+                                        "or an older step")  # fmt: skip
+                return row, value
+
+            _run_native(chunks, self.where, read)
+        finally:
+            os.close(fd)
 
     def _raw(self, entry: Entry) -> torch.Tensor:
         raw = self.bytes()[entry.offset : entry.offset + entry.nbytes]
@@ -389,8 +435,28 @@ class Source:
                 self._bounds(e, cs)  # raises, naming what is wrong
             chunks.add(dst, e, cs, sums if self.verify else None)
 
+    def start(self) -> None:
+        """Start copying the host chunks queued, on the workers, and return: the caller
+        goes on with what needs no restored value (an optimizer's settings) meanwhile, and
+        ``flush()`` waits for them. Only chunks in memory with the compiled copy start early;
+        ``flush()`` does the rest."""
+        chunks = self._chunks
+        if not chunks.size or _native is None or self.data is None or self._landing:
+            return
+        self._chunks = _HostChunks()
+        _writing()
+        self._landing = _run_native(chunks, self.where, _native.copy_checked,
+                                    self.data.data_ptr(), started=True)  # fmt: skip
+
+    def landed(self) -> None:
+        """Wait for the copies ``start()`` began; raise for a bad chunk among them."""
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing()
+
     def flush(self) -> None:
         """Copy everything queued, verified; returns once it has landed."""
+        self.landed()
         chunks, self._chunks = self._chunks, _HostChunks()
         queued, self._queued = self._queued, []
         if chunks.size or queued:
@@ -410,7 +476,9 @@ class Source:
         """Copy and check every chunk of ``chunks`` into host memory: each chunk's bytes are
         checked as they are copied, by the compiled copy on every worker at once (it runs
         without the GIL), or from Python where it is not built."""
-        if self.data is None and self.scatter is not None:
+        if self.data is None and (
+            self.scatter is not None or (self.opener is not None and _native is not None)
+        ):
             self._received_into(chunks)
             return
         whole = self.bytes()

@@ -7,6 +7,7 @@ if there is none does ``run`` copy the bytes, verifying each entry's checksums f
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -334,10 +335,9 @@ class Planner:
 def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source) -> None:
     """Finish restoring Stateful ``target`` once ``sd`` (its ``state_dict()``, filled in place
     and given the snapshot's other values) is produced: load it where that is needed."""
-    if needs_load:
-        src.flush()  # device copies land before load_state_dict() sees the tensors
-        if not optim_state.loaded_in_place(target, sd):
-            target.load_state_dict(sd)
+    if needs_load and not optim_state.loaded_in_place(target, sd):  # reads no tensor value
+        src.flush()  # the copies land before load_state_dict() sees the tensors
+        target.load_state_dict(sd)
     if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
         # Gradients are no part of a snapshot: none survive a rollback (a step cut short by
         # a fault would otherwise add its own to the next one's).
@@ -420,7 +420,14 @@ def refuse_pickles(pickled: list[str], where: str) -> None:
 
 def run(producer: Producer, source: Source) -> None:
     with torch.no_grad():
-        producer(source)
+        try:
+            producer(source)
+        except BaseException:
+            # Copies in flight read the source and write the state: they end before the
+            # caller moves on (to another source); what they found yields to this error.
+            with contextlib.suppress(Exception):
+                source.landed()
+            raise
         source.flush()
 
 

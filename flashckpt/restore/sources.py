@@ -180,7 +180,7 @@ class MemorySource:
                         break
                 else:
                     return False
-            asyncio.run(resharder.fetch_from(MemoryShards(snaps), world))
+            run_private(resharder.fetch_from(MemoryShards(snaps), world))
             return all(s.intact() for s in snaps.values())
 
 
@@ -218,6 +218,26 @@ class Retrying:
         return f"; {self.tries} tries for {self.budget_s:g} s (FLASHCKPT_LIST_RETRY_S)"
 
 
+def run_private(main: Awaitable[T]) -> T:
+    """Run ``main`` to its end on a private event loop (sync callers), as ``asyncio.run``
+    does but for its SIGINT handler: in the main thread that handler holds the task, and
+    putting the old one back formats it, with its result, in an error it drops; a result
+    holding a manifest of thousands of entries cost tens of milliseconds a call."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            if left := asyncio.all_tasks(loop):
+                for task in left:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+
 def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     """Open ``url`` on a private event loop, run ``fn(tier)``, close it (sync callers)."""
     from ..storage_tiers import open_tier
@@ -229,7 +249,7 @@ def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         finally:
             await tier.close()
 
-    return asyncio.run(go())
+    return run_private(go())
 
 
 async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
@@ -244,6 +264,10 @@ async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
     return manifest, None
 
 
+async def _fd_of(tier: Any, key: str) -> int:
+    return tier.open_fd(key)
+
+
 class TierSource:
     """A tier's copies of this rank's steps. With ``together`` (a restore, where every rank
     asks at once), a tier every node shares is listed by rank 0 alone and the listing sent to
@@ -252,14 +276,17 @@ class TierSource:
 
     def __init__(self, url: str, job: str, rank: int, verify: bool, together: bool = False):
         from ..storage_tiers import parse_spec
+        from ..storage_tiers.posix import PosixTier
         from ..storage_tiers.registry import redact, tier_class
 
         self.url, self.job, self.rank, self.verify = url, job, rank, verify
         self.name = redact(url)  # in logs and errors: no credentials
         self.world = group.world_size()
         self.together = together and parse_spec(url).scope.value == "shared"
-        # A peer's memory is received straight into the state (see ``_source``).
-        self.streamed = parse_spec(url).scheme == "peer"
+        # A peer's memory and a directory's files are received straight into the state
+        # (see ``_source``).
+        self.peer = parse_spec(url).scheme == "peer"
+        self.streamed = self.peer or issubclass(tier_class(url), PosixTier)
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
         self._incarnations: dict[Key, int] = {}  # step -> the run its commit markers name
         self.incarnation = 0  # the newest run of the job the last listing showed
@@ -351,12 +378,13 @@ class TierSource:
             return Source(data, where, self.verify)
         url, dkey = self.url, layout.data_key(manifest.job, manifest.step, manifest.rank,
                                               manifest.generation)  # fmt: skip
-        return Source(
-            None, where, self.verify, size=manifest.data_len,
-            fetch=lambda: run_with_tier(url, lambda t: tier_io.read_data(t, manifest)),
-            scatter=lambda pieces: run_with_tier(
-                url, lambda t: t.get_scatter(dkey, pieces, manifest.data_len)),
-        )  # fmt: skip
+        fetch = lambda: run_with_tier(url, lambda t: tier_io.read_data(t, manifest))  # noqa: E731
+        if self.peer:
+            return Source(None, where, self.verify, size=manifest.data_len, fetch=fetch,
+                          scatter=lambda pieces: run_with_tier(
+                              url, lambda t: t.get_scatter(dkey, pieces, manifest.data_len)))  # fmt: skip
+        return Source(None, where, self.verify, size=manifest.data_len, fetch=fetch,
+                      opener=lambda: run_with_tier(url, lambda t: _fd_of(t, dkey)))  # fmt: skip
 
     async def _stand_in(self, tier, key: Key, world: int) -> bool:
         gen, step = key
@@ -373,7 +401,6 @@ class TierSource:
         gen, step = key
         rank, world = self._saved_by.get(key, (self.rank, self.world))
         where = f"{self.name} step {step} rank {rank}" + (f" generation {gen}" if gen else "")
-        resharder = Resharder()  # used where blocks are laid out otherwise than saved
         run_ = self._incarnations.get(key)
         opened = []
 
@@ -385,8 +412,10 @@ class TierSource:
 
         try:
             manifest, data = run_with_tier(self.url, read)
+            # Blocks laid out otherwise than saved are fetched from the ranks that hold them.
+            resharder = Resharder() if has_shards(manifest) else None
             producer = plan(manifest, state, allow_pickle, resharder, **opts)
-            if resharder.wants:
+            if resharder is not None and resharder.wants:
                 run_with_tier(self.url,
                               lambda t: resharder.fetch(t, self.job, step, gen, world, run_))  # fmt: skip
             run(producer, self._source(manifest, data, where))
