@@ -6,10 +6,10 @@
  * from Python, the calls around each chunk cost more than its bytes at a few KiB, and the
  * checksum is a second pass over what was copied. Here one call takes a run of chunks, as
  * four columns of int64 (target address, offset in the source, bytes, crc32c expected or
- * -1 for none), and for each one loads every 8-byte word once, stores it to the target and
- * folds it into the crc (the SSE4.2 crc32 instruction over three interleaved streams, their
- * crcs joined by multiplying in GF(2)): the crc runs while the core waits on memory for the
- * copy, so the check costs little beside it.
+ * -1 for none), and copies each one a block of 128 KiB at a time, checking the block where
+ * it landed while it is still in the core's cache (the SSE4.2 crc32 instruction over three
+ * interleaved streams, their crcs joined by multiplying in GF(2)): one read of memory for
+ * the copy and its check.
  *
  * Built where the compiler targets x86-64; ``available()`` says whether this CPU has the
  * instruction. Elsewhere the restore copies and checks from Python (``entry_copy``).
@@ -29,7 +29,8 @@
 #endif
 
 #define POLY 0x82f63b78u /* Castagnoli, bit-reflected */
-#define STREAM 4096      /* bytes of each of the three streams of a block */
+#define STREAM 4096      /* bytes of each of the three streams the crc interleaves */
+#define BLOCK (128u << 10) /* bytes copied, then checked in cache, at a time */
 
 /* a * b modulo the polynomial, in the reflected representation (x^0 is the top bit). */
 static uint32_t gf2_mul(uint32_t a, uint32_t b) {
@@ -58,43 +59,6 @@ static uint32_t shift_one, shift_two; /* past one stream of a block, and past tw
 static int have_insn;
 
 #if HAVE_CRC_INSN
-/* Copy n bytes from src to dst and return the crc32c register after them (no inversion). */
-__attribute__((target("sse4.2"))) static uint32_t copy_crc(uint8_t *dst, const uint8_t *src,
-                                                         size_t n, uint32_t reg) {
-    uint64_t a = reg;
-    while (n >= 3 * STREAM) {
-        uint64_t b = 0, c = 0;
-        for (size_t i = 0; i < STREAM; i += 8) {
-            uint64_t x, y, z;
-            memcpy(&x, src + i, 8);
-            memcpy(&y, src + STREAM + i, 8);
-            memcpy(&z, src + 2 * STREAM + i, 8);
-            memcpy(dst + i, &x, 8);
-            memcpy(dst + STREAM + i, &y, 8);
-            memcpy(dst + 2 * STREAM + i, &z, 8);
-            a = _mm_crc32_u64(a, x);
-            b = _mm_crc32_u64(b, y);
-            c = _mm_crc32_u64(c, z);
-        }
-        a = gf2_mul(shift_two, (uint32_t)a) ^ gf2_mul(shift_one, (uint32_t)b) ^ (uint32_t)c;
-        src += 3 * STREAM;
-        dst += 3 * STREAM;
-        n -= 3 * STREAM;
-    }
-    for (; n >= 8; n -= 8, src += 8, dst += 8) {
-        uint64_t x;
-        memcpy(&x, src, 8);
-        memcpy(dst, &x, 8);
-        a = _mm_crc32_u64(a, x);
-    }
-    uint32_t r = (uint32_t)a;
-    for (; n; n--, src++, dst++) {
-        *dst = *src;
-        r = _mm_crc32_u8(r, *src);
-    }
-    return r;
-}
-
 __attribute__((target("sse4.2"))) static uint32_t crc_only(const uint8_t *p, size_t n,
                                                          uint32_t reg) {
     uint64_t a = reg;
@@ -122,6 +86,19 @@ __attribute__((target("sse4.2"))) static uint32_t crc_only(const uint8_t *p, siz
     for (; n; n--, p++)
         r = _mm_crc32_u8(r, *p);
     return r;
+}
+
+
+/* Copy n bytes from src to dst and return the crc32c register after them (no inversion):
+ * a block at a time, copied by memcpy at the speed of memory, then checked where it landed
+ * while it is still in the core's cache. */
+static uint32_t copy_crc(uint8_t *dst, const uint8_t *src, size_t n, uint32_t reg) {
+    for (size_t p = 0; p < n; p += BLOCK) {
+        size_t m = n - p < BLOCK ? n - p : BLOCK;
+        memcpy(dst + p, src + p, m);
+        reg = crc_only(dst + p, m, reg);
+    }
+    return reg;
 }
 #endif
 

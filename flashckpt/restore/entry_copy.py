@@ -256,12 +256,9 @@ def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
         raise chunks.mismatch(where, j, value)
 
 
-def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int,
-                started: bool = False) -> Callable[[], None] | None:  # fmt: skip
+def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> None:
     """Run the compiled ``fn`` (``copy_checked``, ``checked_at``, ``read_checked``) over
-    every chunk, one share per worker where there is more than a piece's worth of bytes.
-    ``started``: return once the shares are handed out, with the call that waits for them
-    (and raises for a bad chunk); else return when they are done."""
+    every chunk, one share per worker where there is more than a piece's worth of bytes."""
     cols = chunks.arrays()
     n = len(chunks.size)
 
@@ -269,16 +266,12 @@ def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int,
         j, value = fn(*cols, first, last, *extra)
         return None if j < 0 else (j, 0, value)
 
-    if sum(chunks.size) <= _PIECE and not started:  # too little to hand off
+    if sum(chunks.size) <= _PIECE:  # too little to hand off
         found = share(0, n)
         if found is not None:
             raise chunks.mismatch(where, found[0], found[2])
-        return None
-    futures = [_workers().submit(share, a, b) for a, b in _spread(chunks.size)]
-    if started:
-        return lambda: _settle(chunks, where, futures)
-    _settle(chunks, where, futures)
-    return None
+        return
+    _settle(chunks, where, [_workers().submit(share, a, b) for a, b in _spread(chunks.size)])
 
 
 Scatter = Callable[[list[tuple[int, int, int]]], None]
@@ -305,7 +298,6 @@ class Source:
     scatter: Scatter | None = field(default=None, repr=False)
     opener: Callable[[], int] | None = field(default=None, repr=False)  # a file's descriptor
     _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
-    _landing: Callable[[], None] | None = field(default=None, repr=False)  # copies started
     _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
 
     def __post_init__(self) -> None:
@@ -435,28 +427,8 @@ class Source:
                 self._bounds(e, cs)  # raises, naming what is wrong
             chunks.add(dst, e, cs, sums if self.verify else None)
 
-    def start(self) -> None:
-        """Start copying the host chunks queued, on the workers, and return: the caller
-        goes on with what needs no restored value (an optimizer's settings) meanwhile, and
-        ``flush()`` waits for them. Only chunks in memory with the compiled copy start early;
-        ``flush()`` does the rest."""
-        chunks = self._chunks
-        if not chunks.size or _native is None or self.data is None or self._landing:
-            return
-        self._chunks = _HostChunks()
-        _writing()
-        self._landing = _run_native(chunks, self.where, _native.copy_checked,
-                                    self.data.data_ptr(), started=True)  # fmt: skip
-
-    def landed(self) -> None:
-        """Wait for the copies ``start()`` began; raise for a bad chunk among them."""
-        landing, self._landing = self._landing, None
-        if landing is not None:
-            landing()
-
     def flush(self) -> None:
         """Copy everything queued, verified; returns once it has landed."""
-        self.landed()
         chunks, self._chunks = self._chunks, _HostChunks()
         queued, self._queued = self._queued, []
         if chunks.size or queued:

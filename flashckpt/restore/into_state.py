@@ -7,7 +7,6 @@ if there is none does ``run`` copy the bytes, verifying each entry's checksums f
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -420,14 +419,7 @@ def refuse_pickles(pickled: list[str], where: str) -> None:
 
 def run(producer: Producer, source: Source) -> None:
     with torch.no_grad():
-        try:
-            producer(source)
-        except BaseException:
-            # Copies in flight read the source and write the state: they end before the
-            # caller moves on (to another source); what they found yields to this error.
-            with contextlib.suppress(Exception):
-                source.landed()
-            raise
+        producer(source)
         source.flush()
 
 

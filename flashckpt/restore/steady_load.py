@@ -70,7 +70,6 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     def produce(src: Source) -> None:
         # The walk checked each tensor's dtype, shape and device against the layout's.
         src.copy_many(tensors, entries, cs, host_sized=host)
-        src.start()  # copied on the workers while the Stateful objects are finished here
         for target, sd, has_scalars in statefuls:  # innermost first, as node by node
             needs_load = has_scalars or not isinstance(target, torch.nn.Module)
             finish_stateful(target, sd, needs_load, src)
