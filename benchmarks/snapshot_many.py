@@ -15,8 +15,9 @@ restores go into states of the same shapes (the targets). Per size, in interleav
   ``load`` of a checkpoint of the state saved once beforehand, into the target's state
   dicts, then ``load_state_dict``; and, when DLRover is installed (``pip install --no-deps
   dlrover==0.6.1``), its ``DdpCheckpointer.load_checkpoint()`` of a step saved to memory,
-  then ``load_state_dict`` (the optimizer keeps the views into DLRover's memory it is given,
-  as it would for a user, so only the model's bytes are copied);
+  then every tensor it returns copied into the target's own (an optimizer's
+  ``load_state_dict`` would keep the views into DLRover's memory it is given, and restore
+  two thirds of the bytes without copying them: no like-for-like restore);
 - saves: flashckpt ``save()`` (blocking; the checksums it leaves run untimed between calls),
   DCP ``async_save``, the blocking part (its ``state_dict()`` calls included, as a training
   loop makes them), and DLRover's flash checkpoint to memory;
@@ -129,7 +130,8 @@ def dcp_load(state: dict, target: dict, where: str):
 
 def dlrover(state: dict, target: dict, where: str):
     """DLRover's flash checkpoint of ``state`` to memory, and its restore from memory into
-    ``target`` (``load_checkpoint()`` then ``load_state_dict``); None if it is not installed."""
+    ``target`` (``load_checkpoint()``, then each tensor copied into the target's); None if it
+    is not installed."""
     try:
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
     except ImportError:
@@ -143,8 +145,12 @@ def dlrover(state: dict, target: dict, where: str):
     def save(i: int) -> None:  # step 0 is never restored: DLRover takes it for no checkpoint
         ck.save_checkpoint(i + 1, state_dicts(state), storage_type=StorageType.MEMORY)
 
+    into = [t.detach() for t in local_tensors(state_dicts(target))]
+
     def restore(i: int) -> None:
-        load_state_dicts(target, ck.load_checkpoint())
+        loaded = local_tensors(ck.load_checkpoint())
+        for dst, src in zip(into, loaded, strict=True):
+            dst.copy_(src)
 
     save(0)  # what the restore restores, before the rounds
     return save, restore
@@ -241,7 +247,7 @@ ROWS = [  # (heading, the baseline of the rows, {key: label}); ratio = baseline'
         "memcpy": "one memcpy of the same bytes",
         "restore": "flashckpt restore() from memory, verified",
         "dcp_load": "DCP load + load_state_dict",
-        "dlrover_restore": "DLRover 0.6.1 restore from memory + load_state_dict",
+        "dlrover_restore": "DLRover 0.6.1 restore from memory + copy into the state",
         "save": "flashckpt save(), blocking",
         "dcp_async": "DCP async_save, blocking part",
         "dlrover": "DLRover 0.6.1 flash checkpoint to memory",
