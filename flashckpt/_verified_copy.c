@@ -144,27 +144,37 @@ static int columns(PyObject *const *args, Columns *c, Py_ssize_t last) {
     return 0;
 }
 
-/* copy_checked(to, frm, size, want, first, last, src) -> (row, crc) of the first chunk
- * whose crc32c is not the one expected, or (-1, 0). ``src``: the source's address. */
-static PyObject *copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "copy_checked takes 7 arguments");
-        return NULL;
+/* The arguments every call over a run of chunks starts with: ``nargs`` must be ``expected``,
+ * the first four are the columns and the next two the rows [first, last). 0, or -1 with an
+ * exception set (nothing to release then). */
+static int run_of(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected, const char *name,
+                  Columns *c, Py_ssize_t *first, Py_ssize_t *last) {
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, expected);
+        return -1;
     }
-    Py_ssize_t first = PyLong_AsSsize_t(args[4]), last = PyLong_AsSsize_t(args[5]);
-    unsigned long long src = PyLong_AsUnsignedLongLong(args[6]);
+    *first = PyLong_AsSsize_t(args[4]);
+    *last = PyLong_AsSsize_t(args[5]);
     if (PyErr_Occurred())
-        return NULL;
-    if (first < 0 || last < first) {
+        return -1;
+    if (*first < 0 || *last < *first) {
         PyErr_SetString(PyExc_ValueError, "rows out of order");
-        return NULL;
+        return -1;
     }
     if (!have_insn) {
         PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
-        return NULL;
+        return -1;
     }
+    return columns(args, c, *last);
+}
+
+/* copy_checked(to, frm, size, want, first, last, src) -> (row, crc) of the first chunk
+ * whose crc32c is not the one expected, or (-1, 0). ``src``: the source's address. */
+static PyObject *copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Columns c;
-    if (columns(args, &c, last) < 0)
+    Py_ssize_t first, last;
+    unsigned long long src = nargs == 7 ? PyLong_AsUnsignedLongLong(args[6]) : 0;
+    if (PyErr_Occurred() || run_of(args, nargs, 7, "copy_checked", &c, &first, &last) < 0)
         return NULL;
     const int64_t *to = c.to.buf, *frm = c.frm.buf, *size = c.size.buf, *want = c.want.buf;
     Py_ssize_t bad = -1;
@@ -187,42 +197,37 @@ static PyObject *copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(nI)", bad, found);
 }
 
+#if HAVE_CRC_INSN
+/* The first of rows [first, last) whose chunk, in place at ``to``, does not have the crc32c
+ * expected (its crc in ``found``), or -1; rows expecting -1 are not checked. */
+static Py_ssize_t first_bad(const int64_t *to, const int64_t *size, const int64_t *want,
+                            Py_ssize_t first, Py_ssize_t last, uint32_t *found) {
+    for (Py_ssize_t j = first; j < last; j++) {
+        if (want[j] < 0)
+            continue;
+        uint32_t r = ~crc_only((const uint8_t *)(uintptr_t)to[j], (size_t)size[j], 0xffffffffu);
+        if (r != (uint32_t)want[j]) {
+            *found = r;
+            return j;
+        }
+    }
+    return -1;
+}
+#endif
+
 /* checked_at(to, frm, size, want, first, last) -> like copy_checked, for chunks already in
  * place at their ``to`` addresses (``frm`` is not read). */
 static PyObject *checked_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "checked_at takes 6 arguments");
-        return NULL;
-    }
-    Py_ssize_t first = PyLong_AsSsize_t(args[4]), last = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (first < 0 || last < first) {
-        PyErr_SetString(PyExc_ValueError, "rows out of order");
-        return NULL;
-    }
-    if (!have_insn) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
-        return NULL;
-    }
     Columns c;
-    if (columns(args, &c, last) < 0)
+    Py_ssize_t first, last;
+    if (run_of(args, nargs, 6, "checked_at", &c, &first, &last) < 0)
         return NULL;
     const int64_t *to = c.to.buf, *size = c.size.buf, *want = c.want.buf;
     Py_ssize_t bad = -1;
     uint32_t found = 0;
 #if HAVE_CRC_INSN
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = first; j < last; j++) {
-        if (want[j] < 0)
-            continue;
-        uint32_t r = ~crc_only((const uint8_t *)(uintptr_t)to[j], (size_t)size[j], 0xffffffffu);
-        if (r != (uint32_t)want[j]) {
-            bad = j;
-            found = r;
-            break;
-        }
-    }
+    bad = first_bad(to, size, want, first, last, &found);
     Py_END_ALLOW_THREADS
 #endif
     release(&c, 4);
@@ -239,24 +244,10 @@ static PyObject *checked_at(PyObject *self, PyObject *const *args, Py_ssize_t na
  * the first chunk whose crc is not the one expected (-1: none); ``short`` is 1 where the
  * file ended before a chunk did. Read errors raise OSError. */
 static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "read_checked takes 7 arguments");
-        return NULL;
-    }
-    Py_ssize_t first = PyLong_AsSsize_t(args[4]), last = PyLong_AsSsize_t(args[5]);
-    int fd = PyLong_AsLong(args[6]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (first < 0 || last < first) {
-        PyErr_SetString(PyExc_ValueError, "rows out of order");
-        return NULL;
-    }
-    if (!have_insn) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
-        return NULL;
-    }
     Columns c;
-    if (columns(args, &c, last) < 0)
+    Py_ssize_t first, last;
+    int fd = nargs == 7 ? (int)PyLong_AsLong(args[6]) : -1;
+    if (PyErr_Occurred() || run_of(args, nargs, 7, "read_checked", &c, &first, &last) < 0)
         return NULL;
     const int64_t *to = c.to.buf, *frm = c.frm.buf, *size = c.size.buf, *want = c.want.buf;
     Py_ssize_t bad = -1;
@@ -310,16 +301,8 @@ static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         if (error || short_read)
             break;
-        for (; j < end; j++) {
-            if (want[j] < 0)
-                continue;
-            uint32_t r = ~crc_only((const uint8_t *)(uintptr_t)to[j], (size_t)size[j], 0xffffffffu);
-            if (r != (uint32_t)want[j]) {
-                bad = j;
-                found = r;
-                break;
-            }
-        }
+        bad = first_bad(to, size, want, j, end, &found);
+        j = end;
     }
     Py_END_ALLOW_THREADS
 #endif

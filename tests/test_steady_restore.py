@@ -148,22 +148,31 @@ def _flip(ck: Checkpointer, step: int, path: str, at: int) -> None:
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_a_corrupt_chunk_falls_back_to_the_older_snapshot(shm_dir, monkeypatch, chunk, copy_path):
     spy = Spy(monkeypatch)
-    state = many(400)
-    state["big"] = torch.randn(3 * 1024)  # three chunks of 4 KiB: queued chunk by chunk
+    # "big": three chunks of 4 KiB, queued chunk by chunk.
     with Checkpointer(job="steady-corrupt", chunk_size=4096) as ck:
-        ck.save(1, state)
-        older = values(state) + [state["big"].clone()]
-        with torch.no_grad():
-            for p in state["model"]:
-                p.add_(1.0)
-            state["big"].add_(1.0)
-        ck.save(2, state)
-        ck._sealer.drain()
-        _flip(ck, 2, "big", chunk * 4096 + 5)
-        target = {**many(400, seed=4), "big": torch.zeros(3 * 1024)}
-        assert ck.restore(target) == 1
+        target, older = _restored_past_a_flip(ck, 3 * 1024, chunk * 4096 + 5)
     assert spy.taken == 2  # both tried on the steady path: the corrupt one, then the older
     assert_same(values(target) + [target["big"]], older)
+
+
+def _restored_past_a_flip(ck: Checkpointer, big: int, at: int) -> tuple[dict, list]:
+    """Steps 1 and 2 of a state of 400 small tensors and one of ``big`` floats, a byte of
+    step 2's big one flipped at ``at``, then restored: the state it restored into, and step
+    1's values (which it must hold)."""
+    state = {**many(400), "big": torch.randn(big)}
+    ck.save(1, state)
+    older = values(state) + [state["big"].clone()]
+    with torch.no_grad():
+        for p in state["model"]:
+            p.add_(1.0)
+        state["big"].add_(1.0)
+    ck.save(2, state)
+    ck.wait(2)  # its copies have landed (a device's too) and it is published
+    ck._sealer.drain()
+    _flip(ck, 2, "big", at)
+    target = {**many(400, seed=4), "big": torch.zeros(big)}
+    assert ck.restore(target) == 1
+    return target, older
 
 
 def test_a_restore_that_wrote_part_of_a_corrupt_copy_and_found_no_other_says_so(shm_dir, copy_path):
@@ -273,20 +282,7 @@ def test_a_corrupt_chunk_on_its_way_to_the_device_is_refused(shm_dir, copy_path)
     """Device targets: each piece is checked as it is staged for its upload (the compiled
     copy, or a copy then a checksum from Python); a flipped byte sends the restore to the
     older step, whose bytes land whole."""
-    with installed():
-        state = many(400)
-        state["big"] = torch.randn(3 * 1024 * 1024)  # 12 MiB: several staged pieces
-        with Checkpointer(job="steady-device-corrupt") as ck:
-            ck.save(1, state)
-            older = values(state) + [state["big"].clone()]
-            with torch.no_grad():
-                for p in state["model"]:
-                    p.add_(1.0)
-                state["big"].add_(1.0)
-            ck.save(2, state)
-            ck.wait(2)  # its copies have landed and it is published
-            ck._sealer.drain()
-            _flip(ck, 2, "big", 9 * 1024 * 1024 + 5)
-            target = {**many(400, seed=4), "big": torch.zeros(3 * 1024 * 1024)}
-            assert ck.restore(target) == 1
+    with installed(), Checkpointer(job="steady-device-corrupt") as ck:
+        # "big": 12 MiB, several staged pieces.
+        target, older = _restored_past_a_flip(ck, 3 * 1024 * 1024, 9 * 1024 * 1024 + 5)
         assert_same(values(target) + [target["big"]], older)
