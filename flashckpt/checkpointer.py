@@ -277,6 +277,9 @@ class Checkpointer:
             self._stepping_again = restored is not None
             # Ready the slots off the training step, the one the first save() goes to first.
             self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
+            # Freed before the collector runs again: what the walk made (a state_dict() per
+            # Stateful, thousands of dicts) would set off a collection of every object.
+            del walked, opts
         if restored is None and step is not None:
             raise CheckpointNotFoundError(
                 f"step {step} of job {self.job!r} rank {self.rank} is neither in shared memory "
