@@ -7,18 +7,19 @@ over the restore workers, each chunk's crc32c checked against the manifest, and 
 every byte has landed:
 
 * into host tensors: each worker takes a share of the chunks in one call of the compiled
-  verified copy (``flashckpt/_verified_copy.c``, without the GIL), which loads each word of
-  a chunk once, stores it in the target and folds it into the chunk's crc32c: one pass over
-  the bytes, and no Python per chunk, which at thousands of small tensors is what a restore
-  would cost. The offsets and sizes of a layout's chunks are planned once (``_HostPlan``).
+  verified copy (``flashckpt/_verified_copy.c``, without the GIL), which copies a chunk a
+  block at a time and checks each block where it landed while it is still in the core's
+  cache: one read of memory, and no Python per chunk, which at thousands of small tensors
+  is what a restore would cost. The offsets and sizes of a layout's chunks are planned once
+  (``_HostPlan``).
   Where the compiled copy is not built, a worker copies a chunk (a piece at a time for a
   large one) and checksums the bytes it just read while they are still in its cache. The
   source is read under its reader's lock (a slot's, or a private buffer), so the bytes
   checked are the bytes copied;
 * into device tensors: a worker copies a piece into one of its own page-locked staging
-  buffers, checksumming it as it is copied (the compiled copy), and uploads it from there on a copy stream of the device,
-  reusing a buffer once its upload has landed; so checksums, host copies and the DMA all run
-  at once. A source that is page-locked already (a slot this process registered) is uploaded
+  buffers, checksumming it as it is copied (the compiled copy), and uploads it from there
+  on a copy stream of the device, reusing a buffer once its upload has landed; so
+  checksums, host copies and the DMA all run at once. A source that is page-locked already (a slot this process registered) is uploaded
   from directly, checksummed beside the upload.
 
 Targets that are not plain bytes (strided, lazily conjugated) are verified, then copied with
