@@ -9,7 +9,8 @@
  * -1 for none), and copies each one a block of 128 KiB at a time, checking the block where
  * it landed while it is still in the core's cache (the SSE4.2 crc32 instruction over three
  * interleaved streams, their crcs joined by multiplying in GF(2)): one read of memory for
- * the copy and its check.
+ * the copy and its check. A directory tier's file is read into the targets the same way,
+ * a batch of chunks per ``preadv``, each checked while still in cache.
  *
  * Built where the compiler targets x86-64; ``available()`` says whether this CPU has the
  * instruction. Elsewhere the restore copies and checks from Python (``entry_copy``).
