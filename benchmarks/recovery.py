@@ -85,10 +85,13 @@ def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, di
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(shm), "FLASHCKPT_RUN_DIR": str(run_dir),
                 "FLASHCKPT_NODE": f"node{node}", **common, **env, **node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
+        # Each node its own address, as real hosts have: the rendezvous orders nodes by address,
+        # then by launcher pid, so a node started again keeps its ranks (and its memory's use).
         cmd = [*LAUNCHERS[launcher], f"--nnodes={NODES}", f"--nproc-per-node={NPROC}",
                "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=30",
-               "--monitor-interval=0.1", str(TRAINER)]  # fmt: skip
+               "--monitor-interval=0.1", f"--local-addr=127.0.0.{node + 1}",
+               str(TRAINER)]  # fmt: skip
         with open(tmp / f"{job}-node{node}.log", "w") as out:  # kept when a run fails
             procs.append(subprocess.Popen(cmd, env=full, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))  # fmt: skip

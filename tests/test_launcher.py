@@ -38,6 +38,15 @@ _RUN_DIRS = itertools.count()
 PEER = config.peer_urls(1)[0]  # the replica a multi-node job keeps by default
 
 
+def node_addr(node: int) -> str:
+    """A simulated node's own loopback address, as a real node has its own host name.
+
+    torch's rendezvous hands out ranks in the order of (address, launcher pid): nodes sharing
+    one address would be ordered by pid, and a node started again with a smaller pid than a
+    healthy one (pids wrap) would take the healthy node's ranks and leave its memory unused."""
+    return f"127.0.0.{node + 1}"
+
+
 @dataclass
 class Run:
     codes: list[int]
@@ -89,7 +98,7 @@ class Cluster:
         cmd = [str(LAUNCHER), f"--nnodes={self.n}", f"--nproc-per-node={self.per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
                f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
-               str(self.trainer)]  # fmt: skip
+               f"--local-addr={node_addr(node)}", str(self.trainer)]  # fmt: skip
         self.starts[node] += 1
         log = open(self.tmp / f"{self.name}-node{node}-{self.starts[node]}.log", "w")  # noqa: SIM115
         self.logs[node] = log
@@ -241,7 +250,8 @@ def back_from_a_peer(run: Run, reference: str) -> None:
     and the job ended bit-identical to ``reference``."""
     kept, fresh = restores(run.events[0]), restores(run.events[1])
     assert len(kept) == len(fresh) == PER_NODE, explain(run)
-    assert {e["step"] for e in [*kept.values(), *fresh.values()]} == {12}, (kept, fresh)
+    steps = {e["step"] for e in [*kept.values(), *fresh.values()]}
+    assert steps == {12}, (kept, fresh, explain(run))
     assert {e["source"] for e in kept.values()} == {"shared memory"}, kept
     assert all(e["source"].startswith("peer node0 ") for e in fresh.values()), fresh
     assert run.digest == reference

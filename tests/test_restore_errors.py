@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import run_python
 from states import tiny_model
 
 from flashckpt import (
@@ -133,3 +134,52 @@ def test_a_state_nested_deeper_than_a_restore_accepts_fails_at_save(shm_dir):
         shallow = {"s": {"d": {"d": {"t": torch.ones(1)}}}}
         ck.save(2, shallow)
         assert ck.restore({"s": {"d": {"d": {"t": torch.zeros(1)}}}}) == 2
+
+
+def leave_snapshot(job: str, step: int, rank: int, local_rank: int, per_node: int, world: int):
+    """A trainer of ``rank`` saves ``step`` and dies without closing: its slots stay."""
+    run_python(
+        "import os, torch; from flashckpt import Checkpointer\n"
+        f"ck = Checkpointer(job={job!r})\n"
+        f"ck.save({step}, {{'a': torch.full((4,), {float(rank)})}})\n"
+        "os._exit(0)\n",
+        env={"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+             "LOCAL_WORLD_SIZE": str(per_node)},
+    )  # fmt: skip
+
+
+def moved(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "ranks moved" in r.getMessage()]
+
+
+def test_a_node_whose_memory_holds_only_other_ranks_says_the_ranks_moved(
+    shm_dir, monkeypatch, caplog
+):
+    """The node ran ranks 2 and 3; after a restart it runs ranks 0 and 1, whose snapshots are
+    elsewhere. Rank 0 finds nothing of its own here and says why, once, naming the fix."""
+    for rank in (2, 3):
+        leave_snapshot("moved", 12, rank, rank - 2, per_node=2, world=4)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4",
+                        "LOCAL_WORLD_SIZE": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with Checkpointer(job="moved") as ck, caplog.at_level("WARNING", "flashckpt"):
+        assert ck.restore({"a": torch.zeros(4)}) is None
+        assert ck.restore({"a": torch.zeros(4)}) is None
+    said = moved(caplog)
+    assert len(said) == 1, said
+    assert "holds snapshots of ranks [2, 3], but it runs ranks [0, 1]" in said[0]
+    assert "--local-addr" in said[0]
+
+
+def test_a_rank_that_finds_its_own_snapshots_says_nothing_of_moved_ranks(
+    shm_dir, monkeypatch, caplog
+):
+    leave_snapshot("kept", 5, 1, 0, per_node=1, world=2)  # another node's rank, left here
+    leave_snapshot("kept", 5, 0, 0, per_node=1, world=2)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                        "LOCAL_WORLD_SIZE": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with Checkpointer(job="kept") as ck, caplog.at_level("WARNING", "flashckpt"):
+        a = torch.full((4,), 9.0)
+        assert ck.restore({"a": a}) == 5 and a[0] == 0
+    assert not moved(caplog)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -71,6 +72,10 @@ def _resharded(m: Any, world: int) -> bool:
     return m.world_size not in (None, world) and has_shards(m)
 
 
+_TOLD_MOVED: set[Any] = set()
+"""Job folders whose ranks were said to have moved (said once a process)."""
+
+
 class MemorySource:
     name = "shared memory"
 
@@ -87,7 +92,8 @@ class MemorySource:
         that saved it (otherwise the resharding reads them from a tier)."""
         out: dict[Key, Lineage] = {}
         world = group.world_size()
-        for slot in self.pair.ready():
+        ready = self.pair.ready()
+        for slot in ready:
             try:
                 with read_locked(slot) as snap:
                     if snap is None:
@@ -102,7 +108,31 @@ class MemorySource:
                     out[key] = m.lineage
             except CORRUPT_COPY as exc:  # holds nothing readable: not a candidate
                 log.warning("%s", exc)
+        if not ready and self.pair.dir not in _TOLD_MOVED:
+            self._tell_if_moved()
         return out
+
+    def _tell_if_moved(self) -> None:
+        """Say so, once, when this node's memory holds none of this rank's snapshots but some of
+        ranks it no longer runs: the ranks moved between nodes across a restart, and this one
+        restores from a peer or a tier."""
+        try:  # the launcher's view: this node runs LOCAL_WORLD_SIZE ranks from RANK - LOCAL_RANK
+            env = os.environ
+            first = int(env["RANK"]) - int(env["LOCAL_RANK"])
+            ours = range(first, first + int(env["LOCAL_WORLD_SIZE"]))
+        except (KeyError, ValueError):
+            return
+        with contextlib.suppress(OSError):
+            names = (p.name.partition(".")[0] for p in self.pair.dir.glob("rank-*.slot-*"))
+            gone = sorted({int(n[5:]) for n in names if n[5:].isdigit()} - set(ours))
+            if gone:
+                _TOLD_MOVED.add(self.pair.dir)
+                log.warning("this node's shared memory holds snapshots of ranks %s, but it runs "
+                            "ranks %s now: the ranks moved between nodes at the restart, and "
+                            "rank %d restores from a peer or a tier. torch's rendezvous orders "
+                            "nodes by address, then by launcher pid: give each node its own "
+                            "address (torchrun --local-addr) so that it keeps its ranks",
+                            gone, list(ours), self.pair.rank)  # fmt: skip
 
     def steps(self, lineage: Lineage | None = None) -> set[int]:
         return steps_of(self.snapshots(), lineage)
@@ -110,7 +140,8 @@ class MemorySource:
     def load(self, state: Mapping[str, Any], key: Key, allow_pickle: bool, **opts: Any) -> bool:
         """Load snapshot ``key`` into ``state``; False if no intact copy. ``opts`` go to
         ``plan`` (``unmatched``, ``key_map``)."""
-        for slot in self.pair.ready():
+        ready = self.pair.ready()
+        for slot in ready:
             try:
                 with read_locked(slot) as snap:
                     if snap is None or (snap.generation, snap.step) != key:
