@@ -291,6 +291,43 @@ def test_the_steady_walk_follows_scalars_and_falls_back_on_any_change(shm_dir):
         assert torch.equal(got["meta"]["new"], torch.arange(3))
 
 
+def test_the_compiled_check_of_tensor_metadata_sees_every_change_the_python_one_sees(shm_dir):
+    """From the second steady walk on, torch's compiled tensor check compares the tensors'
+    metadata; what it refuses is compared in Python. A tensor resized or retyped in place (the
+    same object) is still a new layout; what only it notices (strides, requires_grad, the
+    thread's inference mode) keeps the walk steady."""
+    state = many(40)
+    with Checkpointer(job="guard") as ck:
+        walker = ck._walker
+        for step in range(3):
+            ck.save(step, state)
+        assert walker.full_walks == 1 and walker._meta.guard is not None
+        exp_avg = next(iter(state["optim"].state.values()))["exp_avg"]
+        exp_avg.resize_(exp_avg.numel() - 1)  # the same tensor, one element shorter
+        ck.save(3, state)
+        assert walker.full_walks == 2
+        for step in (4, 5):
+            ck.save(step, state)
+        param = state["model"][1]
+        param.data = param.data.double()  # the same Parameter, another dtype
+        ck.save(6, state)
+        assert walker.full_walks == 3
+        for step in (7, 8):
+            ck.save(step, state)
+        avg_sq = next(iter(state["optim"].state.values()))["exp_avg_sq"]
+        avg_sq.requires_grad_(True)  # the compiled check refuses it, Python does not
+        ck.save(9, state)
+        with torch.inference_mode():
+            ck.save(10, state)
+        assert walker.full_walks == 3
+        avg_sq.requires_grad_(False)
+        target = many(40, seed=1)
+        target["model"][1].data = target["model"][1].data.double()
+        next(iter(target["optim"].state.values()))["exp_avg"].resize_(exp_avg.numel())
+        assert ck.restore(target) == 10
+        assert_same(values(target), values(state))
+
+
 def test_tensors_a_save_copied_are_not_kept_alive_after_they_are_replaced(shm_dir):
     """The compiled walk keeps no tensor: an optimizer state replaced by load_state_dict is
     freed (on a GPU, its memory goes back to the allocator)."""
@@ -341,6 +378,25 @@ def test_an_optimizer_filled_in_place_gets_its_settings_without_load_state_dict(
     opt.state[model.weight]["calls"] = 3  # a scalar: load_state_dict sets it
     sd = opt.state_dict()
     assert not optim_state.loaded_in_place(opt, sd)
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert all(sd["state"][i] is opt.state[p] for i, p in enumerate(model.parameters()))
+    assert optim_state.loaded_in_place(opt, sd)  # the state's own dicts, filled in place
+    copied = {
+        "state": {i: dict(v) for i, v in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
+    assert optim_state.loaded_in_place(opt, copied)  # copies holding the same tensors
+    copied["state"][1]["exp_avg"] = torch.zeros_like(copied["state"][1]["exp_avg"])
+    assert not optim_state.loaded_in_place(opt, copied)  # a tensor replaced: loaded
+    renumbered = {
+        "state": {0: sd["state"][0], 5: sd["state"][1]},
+        "param_groups": sd["param_groups"],
+    }
+    assert not optim_state.loaded_in_place(opt, renumbered)  # no parameter 5
 
     class Own(torch.optim.SGD):
         def load_state_dict(self, state_dict):  # noqa: D102
@@ -409,3 +465,24 @@ def test_a_slot_unmapped_while_queued_is_skipped_and_sealing_goes_on(shm_dir):
             assert sealer.drain(10) and sealer._thread.is_alive()
         finally:
             sealer.close()
+
+
+def test_results_kept_by_identity_serve_several_layouts_in_turn():
+    """A layout's restore plans are kept by the identity of its objects (equal numbers count
+    as the same), a few at once: two Checkpointers restoring in turn (memory, a tier's
+    reader) each find theirs; an equal list that is another object is not taken for it."""
+    from flashckpt.format.kept import Kept
+
+    kept: Kept[str] = Kept(2, identity=True)
+    a, b, c = [1, 2], [1, 2], [3]
+    big = 2**40
+    kept.put((a, big), "a")
+    kept.put((b, big), "b")
+    assert kept.get((a, int(str(big)))) == "a" and kept.get((b, big)) == "b"
+    assert kept.get(([1, 2], big)) is None  # equal, not the same
+    assert kept.get((a, big + 1)) is None and kept.get((a, float(big))) is None
+    kept.put((c, 1), "c")  # the least recently used goes
+    assert kept.get((a, big)) is None and kept.get((b, big)) == "b"
+    by_value: Kept[str] = Kept(2)
+    by_value.put(b"x" * 10, "bytes")
+    assert by_value.get(b"x" * 10) == "bytes"

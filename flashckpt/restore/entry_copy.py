@@ -48,6 +48,7 @@ import torch
 
 from ..errors import ManifestError
 from ..format.checksum import chunk_mismatch, crc, verify_entry
+from ..format.kept import Kept
 from ..format.manifest import Entry, dtype_from_name
 from ..format.sealed import bare_entries, one_per_entry
 from ..snapshot import device
@@ -147,7 +148,7 @@ class _HostPlan:
     single chunk: their offsets and sizes, checked against the data region once. A state
     restored again (a rollback, a restore after each fault) finds its layout's plan made."""
 
-    _last: _HostPlan | None = None
+    _kept: Kept[_HostPlan] = Kept(4, identity=True)  # by (entries, chunk size, data length)
 
     def __init__(self, entries: Any, cs: int, data_len: int, frm: list[int], size: list[int]):
         self.entries, self.key = entries, (cs, data_len)
@@ -165,9 +166,9 @@ class _HostPlan:
     def of(cls, entries: Any, cs: int, data_len: int) -> _HostPlan | None:
         """The plan of ``entries`` (a layout's, kept while it is used: the same object), or
         None where an entry is not one chunk within ``data_len``."""
-        last = cls._last
-        if last is not None and last.entries is entries and last.key == (cs, data_len):
-            return last
+        found = cls._kept.get((entries, cs, data_len))
+        if found is not None:
+            return found
         size, frm = list(map(_NBYTES, entries)), list(map(_OFFSET, entries))
         if not size or min(size) <= 0 or max(size) > cs or min(frm) < 0:
             return None
@@ -175,7 +176,7 @@ class _HostPlan:
             return None
         plan = cls(entries, cs, data_len, frm, size)
         if len(size) >= 64:  # a layout's (one entry at a time, as node by node, is not kept)
-            cls._last = plan
+            cls._kept.put((entries, cs, data_len), plan)
         return plan
 
 

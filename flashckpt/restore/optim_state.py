@@ -12,6 +12,7 @@ parameter. The snapshot's values then overwrite it in place (uploaded once, for 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from itertools import chain
 from typing import Any
 
 import torch
@@ -88,11 +89,20 @@ def loaded_in_place(opt: Any, sd: dict) -> bool:
     state, groups = sd["state"], sd["param_groups"]
     if not isinstance(state, dict) or len(state) != len(opt.state):
         return False
-    for i, entry in state.items():
-        if not (type(i) is int and 0 <= i < len(params)):
-            return False
-        now = opt.state.get(params[i])
-        if not isinstance(entry, dict) or now is None or entry.keys() != now.keys():
+    # Each of the optimizer's states against the entry of its parameter's index, found by id:
+    # a tensor hashes in Python, a microsecond each. Equal counts make it one to one.
+    index = {id(p): i for i, p in enumerate(params)}
+    try:
+        kinds = set(map(type, chain.from_iterable(map(dict.values, opt.state.values()))))
+    except TypeError:  # a state that is not a dict
+        return False
+    if not all(issubclass(t, torch.Tensor) for t in kinds):
+        return False  # a scalar: load_state_dict sets those
+    for p, now in opt.state.items():
+        entry = state.get(index.get(id(p), -1))
+        if entry is now:  # state_dict() hands out the state's own dicts: filled in place
+            continue
+        if not isinstance(entry, dict) or entry.keys() != now.keys():
             return False
         if any(entry[k] is not now[k] or not isinstance(now[k], torch.Tensor) for k in now):
             return False  # replaced, or a scalar: load_state_dict sets those

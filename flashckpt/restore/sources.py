@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -55,6 +56,8 @@ CORRUPT_COPY = (
 Key = tuple[int, int]
 """A snapshot's (generation, step)."""
 
+_SHARD = operator.attrgetter("shard")
+
 
 def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
     """The steps of ``held`` in ``lineage``'s history (default: the newest branch held)."""
@@ -64,7 +67,7 @@ def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
 
 def has_shards(m: Any) -> bool:
     """Whether ``m`` holds shards (DTensor or Megatron blocks) a restore may reshard."""
-    return any(e.shard for e in bare_entries(m.entries))
+    return any(map(_SHARD, bare_entries(m.entries)))
 
 
 def _resharded(m: Any, world: int) -> bool:

@@ -19,6 +19,7 @@ import operator
 
 import torch
 
+from ..format.kept import Kept
 from ..format.manifest import Manifest
 from ..format.sealed import bare_entries
 from ..snapshot import device
@@ -31,21 +32,22 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _KEY = operator.attrgetter(
     "path", "kind", "dtype", "shape", "shard", "replicated", "stored_at", "replicas"
 )
-_last: tuple = (None, None, [], False)  # the last layout compared: its runtime, keys, host
-_matched: tuple = (None, None)  # keys and entries found equal last (held: ids stay theirs)
+# A few layouts' results, as several Checkpointers (memory, a tier's reader) restore in turn.
+_KEYS: Kept[tuple[list, bool]] = Kept(4, identity=True)  # (layout, runtime) -> keys, host
+_MATCHED: Kept[bool] = Kept(4, identity=True)  # (keys, entries) found equal (held: ids stay)
 
 
 def _keys(layout: Layout, tensors: list[torch.Tensor]) -> tuple[list, bool]:
     """The layout's entry keys, and whether every tensor of it is a host tensor (the same
     for every state of the layout: its signature holds each tensor's device)."""
-    global _last
     rt = device.runtime()
-    held, held_rt, keys, host = _last
-    if held is not layout or held_rt is not rt:
+    found = _KEYS.get((layout, rt))
+    if found is None:
         keys = list(map(_KEY, layout.entries))
         host = all(map(_IS_CPU, tensors)) and not any(map(rt.is_device_tensor, tensors))
-        _last = (layout, rt, keys, host)
-    return keys, host
+        found = (keys, host)
+        _KEYS.put((layout, rt), found)
+    return found
 
 
 def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
@@ -53,16 +55,15 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     holds exactly what the snapshot holds but for tensor values; None otherwise."""
     if walked is None or walked.statefuls is None:
         return None
-    global _matched
     entries = manifest.entries
     bare = bare_entries(entries)  # a step's entries are its layout's: parsed once, kept
     keys, host = _keys(walked.layout, walked.tensors)
     if len(bare) != len(walked.tensors):
         return None
-    if _matched[0] is not keys or _matched[1] is not bare:
+    if _MATCHED.get((keys, bare)) is None:
         if list(map(_KEY, bare)) != keys:
             return None
-        _matched = (keys, bare)
+        _MATCHED.put((keys, bare), True)
     if not walked.tree_json or manifest.tree_json != walked.tree_json:
         return None
     tensors, statefuls, cs = walked.tensors, walked.statefuls, manifest.chunk_size
