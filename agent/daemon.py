@@ -16,6 +16,7 @@ from flashckpt.proto import agent_pb2_grpc as pb_grpc
 from flashckpt import config
 from flashckpt.errors import ConfigError
 from flashckpt.faults.agent_client import agent_pid_path, socket_path
+from flashckpt.faults.events import EventLog
 from flashckpt.pidfile import PidFileBusy, lock_pidfile, pid_alive
 from flashckpt.safe_paths import private_dir
 
@@ -64,8 +65,8 @@ async def serve(
     sock.unlink(missing_ok=True)
     metrics = Metrics(metrics_port, metrics_addr) if metrics_port is not None else None
     node = config.node_name()
-    service = AgentService(f"{node}-{uuid.uuid4().hex[:8]}", shm_dir, node, metrics, tiers)
-    service.jobs[job] = j = Job(job, shm_dir, node, metrics)
+    service = AgentService(f"{node}-{uuid.uuid4().hex[:8]}", shm_dir, node, metrics, tiers, run_dir)
+    service.jobs[job] = j = Job(job, shm_dir, node, metrics, EventLog.of_launched(run_dir, job))
     for url in tiers:
         await j.add_tier(url)
     server = grpc.aio.server()

@@ -9,6 +9,7 @@ from pathlib import Path
 from flashckpt.storage_tiers import open_tier
 from flashckpt.storage_tiers.registry import redact
 
+from flashckpt.faults.events import EventLog
 from flashckpt.snapshot.slots import closed_marker_path, free_rank, ranks_in, unowned
 
 from .node_retention import LearnedCommon
@@ -25,8 +26,10 @@ async def _started(worker: TierWorker) -> None:
 
 
 class Job:
-    def __init__(self, name: str, shm_dir: Path, node: str, metrics=None):
+    def __init__(self, name: str, shm_dir: Path, node: str, metrics=None,
+                 events: EventLog | None = None):  # fmt: skip
         self.name, self.shm_dir, self.node, self.metrics = name, shm_dir, node, metrics
+        self.events = events  # the job's event log on this node: tier commits and failures
         self.trainers = Trainers()
         self.common = LearnedCommon()  # the steps every node holds, from the controller
         self.workers: dict[str, TierWorker] = {}
@@ -38,7 +41,7 @@ class Job:
             return self.workers[url]
         worker = TierWorker(
             self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
-            trainers=self.trainers, owned=self.owned, common=self.common,
+            trainers=self.trainers, owned=self.owned, common=self.common, events=self.events,
         )  # fmt: skip
         self.workers[url] = worker
         # Started in its own task: a tier slow to list (a holder that hangs, a throttled

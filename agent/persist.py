@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
-from flashckpt.storage_tiers.registry import option
+from flashckpt.storage_tiers.registry import option, redact
 from flashckpt.storage_tiers.threads import in_thread
 
 from flashckpt.errors import SharedMemoryError
+from flashckpt.faults.events import EventLog
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
 from flashckpt.format.manifest import Entry, Manifest
@@ -171,12 +172,13 @@ class TierWorker:
     def __init__(
         self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
         trainers: Trainers | None = None, owned: Callable[[int], bool] | None = None,
-        common: LearnedCommon | None = None,
+        common: LearnedCommon | None = None, events: EventLog | None = None,
     ) -> None:  # fmt: skip
         """``trainers`` is the job's registry on this node, shared by all its tiers; ``owned``
         says whether a live trainer holds a rank's slots; ``common``, the steps every node of
         the job holds as this node learned them (a node-local tier's retention keeps them)."""
         self.job, self.tier, self.node = job, tier, node
+        self.events = events
         self.trainers = trainers if trainers is not None else Trainers()
         self.owned = owned or (lambda rank: True)
         self.reader = SlotReader(shm_dir, job)
@@ -275,9 +277,14 @@ class TierWorker:
                 return
 
     def _failed(self, exc: BaseException) -> None:
+        was_healthy = self.state.healthy
         self.state.healthy = False
         self.state.last_error = f"{type(exc).__name__}: {exc}"
         log.error("tier %s: %s", self.state.url, self.state.last_error)
+        if was_healthy and self.events is not None:  # the outage's start; its end, a commit
+            self.events.record(
+                "tier_failed", tier=redact(self.state.url), error=self.state.last_error
+            )
         if self.metrics:
             self.metrics.error(self.state.url)
 
@@ -362,8 +369,12 @@ class TierWorker:
         log.info(
             "tier %s: committed step %d (generation %d) of job %s (%d ranks, %.1f MiB in %.2fs)",
             self.state.url, step[1], step[0], self.job, len(required), written / 2**20,
-            time.monotonic() - t0,
+            self.state.last_persist_seconds,
         )  # fmt: skip
+        if self.events is not None:
+            self.events.record("tier_committed", tier=redact(self.state.url), scope=self.state.scope,
+                               step=step[1], generation=step[0], bytes=written,
+                               seconds=round(self.state.last_persist_seconds, 4))  # fmt: skip
         if self.metrics:
             self.metrics.persisted(self.state.url, written)
         self._report()

@@ -12,6 +12,7 @@ from flashckpt.storage_tiers.registry import redact
 
 from flashckpt import config
 from flashckpt.errors import ConfigError
+from flashckpt.faults.events import EventLog
 from flashckpt.format import tier_io
 
 from .jobs import Job
@@ -24,9 +25,12 @@ _SCOPE = {"node": pb.TIER_SCOPE_NODE, "shared": pb.TIER_SCOPE_SHARED}
 
 class AgentService(pb_grpc.AgentServicer):
     def __init__(
-        self, agent_id: str, shm_dir: Path, node: str, metrics=None, tiers: list[str] | None = None
-    ):
+        self, agent_id: str, shm_dir: Path, node: str, metrics=None,
+        tiers: list[str] | None = None, run_dir: Path | None = None,
+    ):  # fmt: skip
+        """``run_dir``: where jobs launched by ``flashckpt-run`` keep their event logs."""
         self.agent_id, self.shm_dir, self.node, self.metrics = agent_id, shm_dir, node, metrics
+        self.run_dir = run_dir
         self.default_tiers = list(tiers or [])
         self.jobs: dict[str, Job] = {}
         # Trainers known only from a notice, not registered with this agent: (job, rank, pid).
@@ -38,7 +42,8 @@ class AgentService(pb_grpc.AgentServicer):
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if name not in self.jobs:
-            self.jobs[name] = job = Job(name, self.shm_dir, self.node, self.metrics)
+            events = EventLog.of_launched(self.run_dir, name) if self.run_dir else None
+            self.jobs[name] = job = Job(name, self.shm_dir, self.node, self.metrics, events)
             for url in self.default_tiers:
                 await job.add_tier(url)
         return self.jobs[name]

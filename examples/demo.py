@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from flashckpt import config
+from flashckpt.faults.events import events_path
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,6 +55,20 @@ def launch(job: str, tmp: Path, **env: str) -> tuple[int, str]:
             print("   ", line.strip())
     print(f"    ({time.monotonic() - t0:.1f}s, exit code {proc.returncode})")
     return proc.returncode, out
+
+
+def timeline_page(tag: int, jobs: list[str]) -> None:
+    """``flashckpt report`` over the disturbed runs' event logs, and their timeline as a page."""
+    run_dir = config.run_dir()
+    logs = [str(events_path(run_dir, job)) for job in jobs]
+    page = run_dir / f"demo-{tag}.report.html"
+    print("5) the report of the three disturbed runs (flashckpt report ... --html)")
+    out = subprocess.run([sys.executable, "-m", "flashckpt.cli", "report", *logs, "--html", str(page)],
+                         capture_output=True, text=True)  # fmt: skip
+    for line in (out.stdout + out.stderr).splitlines():
+        print("   ", line)
+    if out.returncode == 0:
+        print(f"timeline page: {page}")
 
 
 def main() -> None:
@@ -87,6 +102,7 @@ def main() -> None:
         print(
             "OK: every resumed run ends with weights identical bit for bit to the undisturbed run"
         )
+        timeline_page(tag, [f"demo-{name}-{tag}" for name in ("crash", "hang", "node")])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -18,9 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, S3, wait_for
+from flashckpt.storage_tiers.registry import redact
 from test_tiers import _unshare_works
 
 from flashckpt import Checkpointer, TierUnavailableError
+from flashckpt.faults import timeline
+from flashckpt.faults.events import events_path, read_events
+from flashckpt.faults.report import summarize
 from flashckpt.format import tier_io
 from flashckpt.restore.sources import run_with_tier
 
@@ -119,8 +123,17 @@ def test_an_s3_outage_gets_the_dead_trainers_newest_step_once_s3_returns(
     shm_dir, run_dir, s3_server, s3_bucket
 ):
     tier = f"s3://{s3_bucket}/run?retry_attempts=1&outage_retry_s={RETRY_S}"
+    log = events_path(run_dir, "outage")
+    log.touch()  # as flashckpt-run makes it: the agent adds its tiers' commits and failures
     caught_up = through_outage(tier, s3_server.stop, s3_server.restart, dict(os.environ), False)
     assert caught_up <= RETRY_S + 2, f"step 6 reached the tier {caught_up:.1f}s after its return"
+    url = redact(tier.partition("?")[0])  # the tier's name in the log: no options
+    told = [(e["kind"], e.get("step")) for e in read_events(log) if e["tier"] == url]
+    assert told[-2:] == [("tier_failed", None), ("tier_committed", 6)], told
+    assert told.count(("tier_failed", None)) == 1  # once an outage, not once a retry
+    assert ("tier_committed", 3) in told[:-2], told  # the newest step before the cut
+    (lane,) = timeline.build(read_events(log), summarize(read_events(log))).tiers
+    assert len(lane.outages) == 1 and lane.commits[-1].step == 6
     restored = {"t": torch.zeros(256 * 1024)}
     with Checkpointer(
         tier, job="outage", shm_dir=shm_dir / "fresh", run_dir=run_dir / "fresh"

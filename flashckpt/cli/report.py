@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 from ..faults import projection
 from ..faults.events import read_events
@@ -49,6 +51,10 @@ def _mix(text: str) -> dict[str, float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("events", nargs="*", metavar="EVENTS.jsonl",
                    help="event logs, one per node (<run_dir>/<job>.events.jsonl)")  # fmt: skip
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the job's timeline as one self-contained page (needs the "
+                        "report extra: pip install 'flashckpt[report]')")  # fmt: skip
+    p.add_argument("--svg", metavar="FILE", help="also write the timeline as one SVG image")
     g = p.add_argument_group("projection (--project)")
     g.add_argument("--project", action="store_true",
                    help="project the effective training time at --gpus GPUs from the parts "
@@ -118,16 +124,49 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise Problem("give the event logs to report on, or --project to project without them")
     if args.events and not events:
         raise Problem(f"no events in {', '.join(args.events)}")
+    if (args.html or args.svg) and not events:
+        raise Problem("--html and --svg draw the event logs: give them")
     report = summarize(events) if events else None
-    if args.project:
-        model = projection.build(report, args)
+    model = projection.build(report, args) if args.project else None
+    if model is not None:
         if args.json:
             print(json.dumps(projection.to_dict(model), indent=2))
         else:
             out.line(projection.render(model))
-        return OK
-    if args.json:
+    elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         out.line(render(report))
+    if report is not None and (args.html or args.svg):
+        _draw(events, report, model, args, out)
     return OK
+
+
+def _draw(events: list[dict], report, model, args: argparse.Namespace, out: Output) -> None:
+    """Write the page and the image asked for (each whole, or not at all)."""
+    from ..faults import timeline
+    from . import report_svg
+
+    tl = timeline.build(events, report)
+    if args.html:
+        from . import report_page
+
+        _write(args.html, report_page.render(tl, report, model))
+        out.line(f"wrote the job's timeline page to {args.html}")
+    if args.svg:
+        effective = report.effective()
+        shown = "n/a" if effective is None else f"{100 * effective:.1f}%"
+        _write(args.svg, report_svg.draw(tl, f"effective training time {shown}; "
+                                             f"{len(report.failures)} failure(s)"))  # fmt: skip
+        out.line(f"wrote the job's timeline image to {args.svg}")
+
+
+def _write(path: str, text: str) -> None:
+    target = Path(path)
+    temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        temp.write_text(text, encoding="utf-8")
+        os.replace(temp, target)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise Problem(f"cannot write {path}: {exc.strerror or exc}") from None

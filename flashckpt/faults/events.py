@@ -32,6 +32,13 @@ class EventLog:
         self._node = config.node_name()
 
     @classmethod
+    def of_launched(cls, run_dir: Path, job: str) -> EventLog | None:
+        """The log of ``job`` on this node if ``flashckpt-run`` started one there (the agent
+        adds its tiers' commits to it); None for a job run without it."""
+        path = events_path(run_dir, job)
+        return cls(path) if path.is_file() else None
+
+    @classmethod
     def from_env(cls) -> EventLog | None:
         """The log a launcher named for this worker, if any."""
         path = os.environ.get(ENV)

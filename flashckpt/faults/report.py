@@ -44,6 +44,7 @@ class Failure:
     rendezvous_s: float | None = None
     replacement_s: float | None = None
     fallback: str | None = None  # why in-process recovery gave way to a restart
+    node: str | None = None  # the node it hit (the lost one, for a node)
     sources: list[str] = field(default_factory=list)  # where its ranks restored from
 
     @property
@@ -109,6 +110,11 @@ class Report:
 
 
 _FAILURE = {"hang_detected": "hang", "worker_exited": "exit", "node_lost": "node"}
+# The agent outlives its node's launcher where only the launcher was lost: its events are a
+# sign of the node's training only where they store a step newer than any before.
+_AGENT_KINDS = frozenset({"tier_committed", "tier_failed"})
+_STARTING = frozenset({"launcher_started", "controller_started", "recovery_store_started"})
+_PROGRESS = frozenset({"stepped", "restored", "worker_exited", "hang_detected", "tier_committed"})
 
 
 class _Reader:
@@ -123,6 +129,11 @@ class _Reader:
         self.step_times: list[float] = []
         self.stalls: dict[object, float] = {}  # rank -> its save stall, over its processes
         self.saves: dict[object, int] = {}  # rank -> its saves, over its processes
+        self.node: str | None = None  # the event's node (the failed one, where it names one)
+        self.seen: dict[str, float] = {}  # node -> its last event before the current one
+        self.launched: set[str] = set()  # nodes whose launcher started and has not exited
+        self.ranks_of: dict[str, set[int]] = {}  # node -> ranks its launcher started
+        self.steps: dict[str, int] = {}  # node -> the newest step its workers reported
 
     def current(self, at: float, kind: str, detect_s: float, step: int | None) -> Failure:
         """The open failure, or a new one if the last has resumed."""
@@ -131,7 +142,7 @@ class _Reader:
             if self.peer_fault_at is not None:  # a peer's collective failed first
                 at = min(at, self.peer_fault_at)
             self.open = Failure(at=at, kind=kind, ranks=[], detect_s=max(0.0, at - origin),
-                                last_step=step)  # fmt: skip
+                                last_step=step, node=self.node)  # fmt: skip
             if self.peer_fault_at is not None:
                 self.open.mode = "in-process"
             self.report.failures.append(self.open)
@@ -140,9 +151,19 @@ class _Reader:
 
     def event(self, e: dict) -> None:
         kind, t = e["kind"], e["time"]
+        node = e.get("failed_node") or e.get("node")
+        self.node = node if isinstance(node, str) else None
         handler = getattr(self, f"on_{kind}", None)
         if handler is not None:
             handler(e, t)
+        node = e.get("node")
+        if isinstance(node, str):
+            step = _int(e.get("step")) if kind in _PROGRESS else None
+            newer = step is not None and step > self.steps.get(node, -1)
+            if newer:
+                self.steps[node] = step
+            if kind not in _AGENT_KINDS and kind not in _STARTING or newer:
+                self.seen[node] = t
 
     def on_hang_detected(self, e: dict, t: float) -> None:
         self.killed.add(e.get("worker_pid"))
@@ -151,9 +172,37 @@ class _Reader:
         f.ranks.append(e.get("rank"))
         f.add_step(_int(e.get("step")))
 
+    def on_launcher_started(self, e: dict, t: float) -> None:
+        """A launcher started where the last one never exited: its node was lost whole
+        (launcher, workers and memory), and is back. Its last event dates the loss."""
+        node = e.get("node")
+        if not isinstance(node, str):
+            return
+        if node in self.launched:
+            f = self.current(t, "node", t - self.seen.get(node, t), self.steps.get(node))
+            if f.kind != "node":  # the exits seen first were its consequences
+                f.kind, f.node = "node", node
+            f.ranks = sorted(self.ranks_of.get(node, ()))
+            f.add_step(self.steps.get(node))
+        else:  # a fresh start on this node: its steps so far belong to an earlier run
+            self.steps.pop(node, None)
+            if not self.launched:  # another run of the job: what it restores ends no failure
+                self.open = None
+        self.launched.add(node)
+        self.ranks_of[node] = set()
+
+    def on_launcher_exited(self, e: dict, t: float) -> None:
+        self.launched.discard(e.get("node"))
+        if not self.launched:
+            self.open = None
+
+    def on_worker_started(self, e: dict, t: float) -> None:
+        if isinstance(e.get("node"), str) and isinstance(e.get("rank"), int):
+            self.ranks_of.setdefault(e["node"], set()).add(e["rank"])
+
     def on_node_lost(self, e: dict, t: float) -> None:
         f = self.current(t, "node", _num(e.get("silent_s")), _int(e.get("step")))
-        f.kind = "node"  # the exits seen first were its consequences
+        f.kind, f.node = "node", self.node  # the exits seen first were its consequences
         f.ranks = [r for r in e.get("ranks") or [] if isinstance(r, int)]
         f.detect_s = max(f.detect_s, _num(e.get("silent_s")))
 
