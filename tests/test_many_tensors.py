@@ -321,10 +321,20 @@ def test_the_compiled_check_of_tensor_metadata_sees_every_change_the_python_one_
             ck.save(10, state)
         assert walker.full_walks == 3
         avg_sq.requires_grad_(False)
+        assert walker.walk(state, frozenset(), None).plain  # passed the compiled check
+        one = next(iter(state["optim"].state.values()))
+        strided = torch.zeros(one["exp_avg_sq"].numel() * 2)[::2]
+        strided.copy_(one["exp_avg_sq"])
+        one["exp_avg_sq"] = strided  # same shape, another stride: the copy checks it
+        assert not walker.walk(state, frozenset(), None).plain
+        ck.save(11, state)
+        assert walker.full_walks == 3
         target = many(40, seed=1)
         target["model"][1].data = target["model"][1].data.double()
         next(iter(target["optim"].state.values()))["exp_avg"].resize_(exp_avg.numel())
-        assert ck.restore(target) == 10
+        first = next(iter(target["optim"].state.values()))
+        first["exp_avg_sq"] = torch.zeros(first["exp_avg_sq"].numel() * 2)[::2]
+        assert ck.restore(target) == 11
         assert_same(values(target), values(state))
 
 

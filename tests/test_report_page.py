@@ -150,3 +150,34 @@ def test_the_command_writes_both_files_and_says_what_it_needs(tmp_path):
     bare = subprocess.run([*cli, "report", "--project", "--svg", str(svg)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bare.returncode == 1 and "--html and --svg draw the event logs" in bare.stderr
+
+
+def test_an_in_process_recovery_is_a_round_and_a_crowded_lane_stays_four_rows_high():
+    rows = [(0.0, "launcher_started", "node0", {})]
+    for k in range(200):  # an exception every second, each recovered in process in 0.6 s
+        t = 1.0 + k
+        rows += [
+            (t, "inprocess_fault", "node0", {"rank": 1, "own": True, "step": k}),
+            (t + 0.1, "inprocess_left", "node0", {"rank": 0, "abort_s": 0.1}),
+            (t + 0.4, "inprocess_joined", "node0", {"rank": 0, "rendezvous_s": 0.3}),
+            (t + 0.5, "restored", "node0", {"rank": 0, "step": k, "seconds": 0.1,
+                                            "source": "shared memory"}),
+            (t + 0.6, "stepped", "node0", {"rank": 0, "step": k + 1}),
+        ]  # fmt: skip
+    rows.append((300.0, "launcher_exited", "node0", {}))
+    evs = events(*rows)
+    report = summarize(evs)
+    tl = timeline.build(evs, report)
+    assert len(tl.recoveries) == 200
+    first = tl.recoveries[0]
+    assert (first.path, first.source, first.failure.kind) == (
+        "in-process",
+        "own memory",
+        "exception",
+    )
+    assert [p.name for p in first.phases][:3] == ["round", "restore", "first step"]
+    root = ET.fromstring(report_svg.draw(tl, "storm"))
+    bars = [g for g in root.iter(f"{SVG}g") if g.get("class") == "recovery"]
+    assert len(bars) == 200 and {b.get("data-path") for b in bars} == {"in-process"}
+    ys = {float(b.find(f"{SVG}rect").get("y")) for b in bars}
+    assert len(ys) <= report_svg.MAX_ROWS

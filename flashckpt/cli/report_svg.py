@@ -18,6 +18,7 @@ from ..faults.timeline import Recovery, Timeline, thin
 WIDTH = 1200
 LEFT, RIGHT = 150, 20  # room for lane labels, and after the last moment
 PLOT = WIDTH - LEFT - RIGHT
+MAX_ROWS = 4  # recoveries closer than their bars are long overlap beyond this
 
 FAULT_COLORS = {"exit": "#d62728", "hang": "#ff7f0e", "node": "#9467bd", "exception": "#1f77b4"}
 PHASE_COLORS = {"detect": "#e377c2", "decide": "#bcbd22", "restart": "#ff9896",
@@ -136,9 +137,11 @@ def _recovery_lane(tl: Timeline, sc: _Scale, top: float, row_h: float) -> tuple[
     for r in tl.recoveries:
         x0, x1 = sc.x(r.start), max(sc.x(r.end), sc.x(r.start) + 4)
         row = next((i for i, end in enumerate(rows) if end + 2 < x0), None)
-        if row is None:
+        if row is None and len(rows) < MAX_ROWS:
             rows.append(x1)
             row = len(rows) - 1
+        elif row is None:  # crowded: over the row that frees first
+            row = min(range(len(rows)), key=rows.__getitem__)
         rows[row] = x1
         placed.append((r, row))
     height = max(1, len(rows)) * row_h + 20

@@ -395,18 +395,19 @@ class Source:
             self._queued.append((dst, entry, chunk_size))
 
     def copy_many(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
-                  chunk_size: int, host_sized: bool = False) -> None:  # fmt: skip
+                  chunk_size: int, host_sized: bool = False, plain: bool = False) -> None:  # fmt: skip
         """``copy_to`` for every pair of ``dsts`` and ``entries`` (equal lengths); host
         tensors that are plain bytes are checked in a few C-level passes, not one by one.
-        ``host_sized``: the caller knows every target is a host tensor of its entry's size."""
+        ``host_sized``: the caller knows every target is a host tensor of its entry's size;
+        ``plain``: that every target is contiguous, with no conjugate or negative bit."""
         if len(dsts) != len(entries):
             raise ValueError(f"{len(dsts)} targets for {len(entries)} entries")
         if (
             (host_sized or (all(map(_IS_CPU, dsts))
                             and not any(map(device.runtime().is_device_tensor, dsts))))
-            and all(map(torch.Tensor.is_contiguous, dsts))
-            and not any(map(torch.Tensor.is_conj, dsts))
-            and not any(map(torch.Tensor.is_neg, dsts))
+            and (plain or (all(map(torch.Tensor.is_contiguous, dsts))
+                           and not any(map(torch.Tensor.is_conj, dsts))
+                           and not any(map(torch.Tensor.is_neg, dsts))))
             and (host_sized or list(map(_NBYTES, dsts)) == list(map(_NBYTES, entries)))
         ):  # fmt: skip
             self._add_units(dsts, entries, chunk_size)

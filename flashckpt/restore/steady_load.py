@@ -67,10 +67,11 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     if not walked.tree_json or manifest.tree_json != walked.tree_json:
         return None
     tensors, statefuls, cs = walked.tensors, walked.statefuls, manifest.chunk_size
+    plain = walked.plain
 
     def produce(src: Source) -> None:
         # The walk checked each tensor's dtype, shape and device against the layout's.
-        src.copy_many(tensors, entries, cs, host_sized=host)
+        src.copy_many(tensors, entries, cs, host_sized=host, plain=plain)
         for target, sd, has_scalars in statefuls:  # innermost first, as node by node
             needs_load = has_scalars or not isinstance(target, torch.nn.Module)
             finish_stateful(target, sd, needs_load, src)

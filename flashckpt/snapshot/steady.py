@@ -198,12 +198,17 @@ class _SameMeta:
         self.meta = list(map(_META, tensors))
         self.guard: Any = None
         self.compared = 0
+        # Whether the tensors the check was made from were all plain bytes (contiguous, no
+        # conjugate or negative bit): tensors it passes have their strides and dispatch keys.
+        self.plain = False
+        self.guarded = False  # the last comparison was the compiled check's
 
     def __call__(self, tensors: list[torch.Tensor]) -> bool:
-        guard = self.guard
+        guard, self.guarded = self.guard, False
         if guard is not None:
             try:
                 if guard.check(*tensors):
+                    self.guarded = True
                     return True
             except Exception:  # a private check: never trusted to work
                 self.guard = None
@@ -212,7 +217,14 @@ class _SameMeta:
         self.compared += 1
         if self.compared == 1:  # the layout is steady: worth the check's making (5 us a tensor)
             self.guard = _compiled_check(tensors)
+            self.plain = self.guard is not None and _plain(tensors)
         return True
+
+
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    return (all(map(torch.Tensor.is_contiguous, tensors))
+            and not any(map(torch.Tensor.is_conj, tensors))
+            and not any(map(torch.Tensor.is_neg, tensors)))  # fmt: skip
 
 
 def _compiled_check(tensors: list[torch.Tensor]) -> Any:
@@ -245,6 +257,9 @@ class Walked:
     # tensors ``tensors`` holds, whether a scalar is under it); None where the state does not
     # compile (a restore then matches it against the snapshot's tree node by node).
     statefuls: list[tuple[Any, Any, bool]] | None = None
+    # Every tensor is known to be plain bytes (contiguous, no conjugate or negative bit): the
+    # compiled check found them with the strides and dispatch keys of such tensors.
+    plain: bool = False
 
 
 class StateWalker:
@@ -281,7 +296,9 @@ class StateWalker:
                 if (self._meta(tensors) and shards == self._shards
                         and self._fill(scalars)):  # fmt: skip
                     assert self._layout is not None
-                    return Walked(self._layout, tensors, self._tree, self._tree_json, statefuls)
+                    plain = self._meta.guarded and self._meta.plain
+                    return Walked(self._layout, tensors, self._tree, self._tree_json, statefuls,
+                                  plain)  # fmt: skip
         return self._full(state, replicated, layout)
 
     def _fill(self, scalars: list) -> bool:
