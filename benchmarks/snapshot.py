@@ -237,6 +237,8 @@ def main() -> None:
     p.add_argument("--work-dir", help=argparse.SUPPRESS)  # set by the launch, for the ranks
     p.add_argument("--sizes", default="16,4000,16000", help="many-tensors: tensors a state")
     p.add_argument("--mib", type=float, default=250.0, help="many-tensors: MiB a state")
+    p.add_argument("--only", help="many-tensors: time only these methods (and the baselines), "
+                                  "e.g. restore,save")  # fmt: skip
     args = p.parse_args()
     if args.params_m is None:
         args.params_m = PARAMS_M[args.case]

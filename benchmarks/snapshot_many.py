@@ -207,12 +207,15 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
         "readinto": (read, None),
         "tier_restore": (tier_restore, None),
     }
-    restored = [target, dcp_target]
+    restored = {"restore": target, "tier_restore": target, "dcp_load": dcp_target}
     dl = dlrover(state, dl_target, f"{where}/dlrover")
     if dl is not None:
-        restored.append(dl_target)
+        restored["dlrover_restore"] = dl_target
         methods["dlrover"] = (dl[0], None)
         methods["dlrover_restore"] = (dl[1], None)
+    if args.only:  # a few methods alone, in turn (each ratio still needs its baseline)
+        wanted = set(args.only.split(",")) | {"loop", "readinto"}
+        methods = {k: v for k, v in methods.items() if k in wanted}
     times: dict[str, list[float]] = {k: [] for k in methods}
     keys = list(methods)
     for i in range(args.rounds + 1):  # the first round warms up, uncounted
@@ -226,7 +229,7 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
                 times[key].append(t)
     ck.close()
     reader.close()
-    for into in restored:  # every restore restored
+    for into in (state for key, state in restored.items() if key in methods):  # each restored
         assert all(map(torch.equal, local_tensors(into), local_tensors(state)))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"--- {tensors} tensors, {nbytes / 2**20:.0f} MiB (median of {args.rounds})")
