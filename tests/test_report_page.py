@@ -181,3 +181,34 @@ def test_an_in_process_recovery_is_a_round_and_a_crowded_lane_stays_four_rows_hi
     assert len(bars) == 200 and {b.get("data-path") for b in bars} == {"in-process"}
     ys = {float(b.find(f"{SVG}rect").get("y")) for b in bars}
     assert len(ys) <= report_svg.MAX_ROWS
+
+
+def test_hostile_event_fields_are_escaped_and_bad_lines_skipped(tmp_path):
+    """Event logs are untrusted: markup in a tier's or node's name is shown as text, a line
+    with no finite time or a step that is not an integer is left out."""
+    import json
+
+    from flashckpt.faults.events import read_events
+
+    evil = '<script>alert("x")</script>'
+    rows = [
+        (0.0, "launcher_started", evil, {}),
+        (1.0, "tier_committed", evil, {"tier": evil, "step": 3, "bytes": "many", "seconds": None}),
+        (2.0, "tier_committed", evil, {"tier": evil, "step": "4"}),
+        (3.0, "worker_exited", evil, {"rank": '"><b>', "worker_pid": 1, "step": 3, "silent_s": 0.5}),
+        (5.0, "restored", evil, {"rank": 0, "step": 3, "seconds": 0.1, "source": evil}),
+        (9.0, "launcher_exited", evil, {}),
+    ]  # fmt: skip
+    log = tmp_path / "evil.jsonl"
+    lines = [json.dumps(e) for e in events(*rows)]
+    lines.insert(2, '{"time": NaN, "kind": "stepped", "step": 99}')
+    log.write_text("\n".join(lines) + "\n")
+    evs = read_events(log)
+    assert len(evs) == len(rows)  # the NaN-timed line is skipped
+    report = summarize(evs)
+    tl = timeline.build(evs, report)
+    assert [c.step for c in tl.tiers[0].commits] == [3]  # "4" is no step
+    page = report_page.render(tl, report)
+    assert "<script" not in page and "&lt;script&gt;" in page
+    root = ET.fromstring(report_svg.draw(tl, evil))
+    assert root.find(f"{SVG}title").text == evil  # shown as text, parsed as such

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -60,7 +61,8 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[dict]:
-    """Every well-formed event of ``path``, in file order; a torn or foreign line is skipped."""
+    """Every well-formed event of ``path``, in file order; a torn or foreign line (or one
+    without a finite time) is skipped."""
     out = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -70,6 +72,6 @@ def read_events(path: Path) -> list[dict]:
                 continue
             if isinstance(doc, dict) and isinstance(doc.get("kind"), str):
                 t = doc.get("time")
-                if isinstance(t, (int, float)) and not isinstance(t, bool):
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
                     out.append(doc)
     return out
