@@ -310,6 +310,10 @@ class TierWorker:
         # them could never be completed later. Slots of other ranks are leftovers, not waited on.
         common = set.intersection(*(set(steps) for steps in ours.values()))
         step = max(common, default=None)
+        if step is not None and self.every_steps and not step <= self.trainers.final_step:
+            # Only steps on the grid of every_steps: every node picks the same ones, so a shared
+            # tier holds them whole (each node counting from its own first step would not).
+            step = max((s for s in common if s[1] % self.every_steps == 0), default=None)
         if newest < self.state.last_committed:  # not merely no newer step yet
             self._warn_older(newest)
         if step is None or step <= self.state.last_committed or self._throttled(step):
