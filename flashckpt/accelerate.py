@@ -118,6 +118,7 @@ class FlashAccelerate:
         self.tier_dir: Path | None = None  # the .flashckpt folder, when no tier is named
         self._warned = False
         self.last = -1  # the newest step saved or restored: steps only go forward
+        self.named: int | None = None  # the step the last save_state's directory names
         # Accelerate's own methods, for directories flashckpt did not write.
         self.accelerate_load_state = accelerator.load_state
 
@@ -179,8 +180,9 @@ class FlashAccelerate:
         default_dir = Path(config.project_dir) if config.automatic_checkpoint_naming else out
         ckpt = self._checkpointer(default_dir / pointer_file.DIR_TIER)
         step = max(int(config.iteration), self.last + 1)
+        self._named_step_stored(ckpt)
         ckpt.save(step, {"accelerate": state})
-        self.last = step
+        self.last = self.named = step
         tier = None
         if self.tier_dir is not None:
             tier = os.path.relpath(self.tier_dir, out.resolve())
@@ -197,6 +199,20 @@ class FlashAccelerate:
             pointer_file.write(out / POINTER, pointer.dumps())
         config.iteration += 1
         return out
+
+    def _named_step_stored(self, ckpt: Checkpointer) -> None:
+        """Wait until the step the last directory names is in the first tier. The agent stores
+        the newest step it finds in memory: a step saved soon after another would otherwise
+        leave the other's directory naming a step no tier ever held. Usually long done."""
+        if self.named is None or not ckpt.tiers:
+            return
+        named, self.named = self.named, None
+        try:
+            ckpt.wait(named, tier=ckpt.tiers[0], timeout=ckpt.close_timeout)
+        except TimeoutError:
+            log.warning("step %d is not in %s after %.0fs; the directory naming it loads only "
+                        "while this node's memory holds it", named, ckpt._shown_tiers()[0],
+                        ckpt.close_timeout)  # fmt: skip
 
     def _next_automatic_dir(self) -> Path:
         """``checkpoints/checkpoint_<save_iteration>``, removing the oldest past ``total_limit``

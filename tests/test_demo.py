@@ -38,7 +38,11 @@ def test_demo_resumes_bit_exact_and_draws_its_timeline(shm_dir, run_dir, tmp_pat
     text = re.search(r"effective training time (\d+\.\d%)", out.stdout).group(1)
     jobs = {kind: next(run_dir.glob(f"demo-{kind}-*.events.jsonl")) for kind in
             ("crash", "hang", "node")}  # fmt: skip
-    spans = {kind: [e["time"] for e in read_events(path)] for kind, path in jobs.items()}
+    logs = {kind: read_events(path) for kind, path in jobs.items()}
+    spans = {kind: [e["time"] for e in evs] for kind, evs in logs.items()}
+
+    def first(job: str, kind: str, skip: int = 0) -> dict:
+        return [e for e in logs[job] if e["kind"] == kind][skip]
 
     chromium, why = browser.find()
     if chromium is None:
@@ -53,6 +57,13 @@ def test_demo_resumes_bit_exact_and_draws_its_timeline(shm_dir, run_dir, tmp_pat
     assert [kind for kind, _ in marks] == ["exit", "hang", "node"], marks
     for (kind, at), job in zip(marks, ("crash", "hang", "node"), strict=True):
         assert min(spans[job]) <= at <= max(spans[job]), (kind, at, job)  # within its own run
+    exited, hung = first("crash", "worker_exited"), first("hang", "hang_detected")
+    assert exited["time"] - 2 <= marks[0][1] <= exited["time"]  # the kill, before its exit seen
+    assert marks[1][1] == pytest.approx(hung["time"] - hung["silent_s"], abs=0.01)  # last beat
+    relaunched = first("node", "launcher_started", skip=1)["time"]
+    stored = [e["time"] for e in logs["node"] if e["kind"] == "tier_committed"
+              and e["time"] < relaunched and e["step"] == 44]  # fmt: skip
+    assert stored and stored[0] - 0.01 <= marks[2][1] < relaunched  # after step 44 was stored
     commits = [ln for ln in svg.iter(f"{SVG}line") if ln.get("class") == "commit"]
     assert commits and "committed at" in commits[-1].find(f"{SVG}title").text  # the tier's lane
     if target := os.environ.get("FLASHCKPT_SCREENSHOT_TO"):
