@@ -154,10 +154,7 @@ def _draw(events: list[dict], report, model, args: argparse.Namespace, out: Outp
         _write(args.html, report_page.render(tl, report, model))
         out.line(f"wrote the job's timeline page to {args.html}")
     if args.svg:
-        effective = report.effective()
-        shown = "n/a" if effective is None else f"{100 * effective:.1f}%"
-        _write(args.svg, report_svg.draw(tl, f"effective training time {shown}; "
-                                             f"{len(report.failures)} failure(s)"))  # fmt: skip
+        _write(args.svg, report_svg.draw(tl, report_svg.headline(report)))
         out.line(f"wrote the job's timeline image to {args.svg}")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from ..faults.report import Report
 from ..faults.timeline import Timeline
 from .common import Problem
-from .report_svg import PHASE_COLORS, clock, draw, span
+from .report_svg import PHASE_COLORS, clock, draw, effective_shown, headline, span
 
 STALL_COLOR = "#aec7e8"
 
@@ -108,9 +108,7 @@ def _projection(model: Any) -> dict | None:
 
 def render(tl: Timeline, report: Report, projected: Any = None) -> str:
     """The page for the timeline ``tl`` of ``report``; ``projected``: a projection model."""
-    effective = report.effective()
-    shown = "n/a" if effective is None else f"{100 * effective:.1f}%"
-    headline = f"effective training time {shown}; {len(report.failures)} failure(s)"
+    shown = effective_shown(report)
     causes = lost_by_cause(tl, report)
     colors = {"save stall": STALL_COLOR, **PHASE_COLORS}
     phase_names = [n for n in PHASE_COLORS if causes.get(n, 0) > 0]
@@ -131,6 +129,6 @@ def render(tl: Timeline, report: Report, projected: Any = None) -> str:
         effective=shown, lost=span(report.lost_s()), wall=span(report.wall_s),
         step="unknown" if not report.step_s else f"{report.step_s * 1000:.1f} ms",
         causes=_bar(causes, colors, max(sum(causes.values()), 1e-12)),
-        projection=_projection(projected), svg=draw(tl, headline), failures=failures,
+        projection=_projection(projected), svg=draw(tl, headline(report)), failures=failures,
         phases=phase_names,
     )  # fmt: skip

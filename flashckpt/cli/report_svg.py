@@ -13,6 +13,7 @@ import time
 from xml.sax.saxutils import escape as _escape
 from xml.sax.saxutils import quoteattr
 
+from ..faults.report import Report
 from ..faults.timeline import Recovery, Timeline, thin
 
 WIDTH = 1200
@@ -39,6 +40,16 @@ def _attrs(**kv: object) -> str:
 def _el(tag: str, title: str | None = None, **kv: object) -> str:
     inner = f"<title>{esc(title)}</title>" if title else ""
     return f"<{tag}{_attrs(**kv)}>{inner}</{tag}>"
+
+
+def effective_shown(report: Report) -> str:
+    """The effective training time as the page and the image show it (the text report's)."""
+    effective = report.effective()
+    return "n/a" if effective is None else f"{100 * effective:.1f}%"
+
+
+def headline(report: Report) -> str:
+    return f"effective training time {effective_shown(report)}; {len(report.failures)} failure(s)"
 
 
 def clock(t: float) -> str:
