@@ -75,8 +75,13 @@ class Controller:
                 self._record("node_back", job=r.job, node=r.node, agent_id=r.agent_id)
             old = node or Node("", now)
             node = job.nodes[r.node] = Node(r.agent_id, now, kill=old.kill, handled=old.handled,
-                                            tiers=old.tiers)  # fmt: skip
+                                            tiers=old.tiers, taking=old.taking,
+                                            lost_silent_s=old.lost_silent_s)  # fmt: skip
         node.last_seen, node.lost = now, False
+        node.spare = r.spare
+        if r.spare:  # runs nothing: heard only to be handed a lost node
+            return pb.ReportReply(heartbeat_s=self.heartbeat, seq=r.seq, take_node=node.taking,
+                                  lost_silent_s=node.lost_silent_s)  # fmt: skip
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.peer_address, node.failure_domain = r.peer_address, r.failure_domain
@@ -126,6 +131,14 @@ class Controller:
 
         return stop
 
+    def job_over(self, job: str) -> None:
+        """Tell the job's spare nodes that the job has ended: they have nothing left to take."""
+        state = self.jobs.get(job)
+        for (name, node), deliver in list(self.watchers.items()):
+            spare = state.nodes.get(node) if state is not None else None
+            if name == job and spare is not None and spare.spare:
+                deliver(pb.ReportReply(heartbeat_s=self.heartbeat, job_over=True))
+
     def hang_up(self) -> None:
         """End every node's report stream: the controller stops."""
         for deliver in list(self.watchers.values()):
@@ -141,10 +154,14 @@ class Controller:
         before its agent's first report of them. Such a node failed after every running
         worker started, so its detection is dated now and kills the whole round. A spare
         node, in a round none of whose ranks are missing, is never flagged, nor is a node
-        whose workers all closed."""
+        whose workers all closed. A spare (``flashckpt-run --spare``) silent that long is
+        forgotten: gone, or it has taken a lost node and reports under that node's name."""
         now = time.monotonic() if now is None else now
         for name, job in self.jobs.items():
             lost, short = [], None
+            for node_name in [k for k, n in job.nodes.items()
+                              if n.spare and now - n.last_seen > self.node_timeout]:  # fmt: skip
+                del job.nodes[node_name]
             for node_name, node in job.nodes.items():
                 if now - node.last_seen > self.node_timeout:
                     job.common.drop(node_name)  # what it holds is not known any more
@@ -167,18 +184,49 @@ class Controller:
                 continue
             ranks = sorted({s.worker.rank for _, n in fresh for s in job.nodes[n].workers.values()})
             first = min(job.nodes[n].last_seen for _, n in fresh)
+            silent = round(now - first, 3)
+            spares = self._spares_for(name, job, [n for _, n in fresh], silent, now)
             self._detect(name, job, "node_lost", [n for _, n in fresh], -1, fresh[0][0],
-                         silent_s=round(now - first, 3), ranks=ranks)  # fmt: skip
+                         silent_s=silent, ranks=ranks, **spares)  # fmt: skip
+
+    def _spares_for(self, name: str, job: JobState, lost: list[str], silent: float,
+                    now: float) -> dict:  # fmt: skip
+        """Under in-process recovery, a free spare for each node in ``lost``, each told to take
+        its node (``{"spares": {lost: spare}}``); else why not (``{"fallback": why}``), and the
+        job restarts whole."""
+        if self.policy != "in-process":
+            return {}
+        # Heard within the last heartbeat and a half (a spare reports twice a heartbeat): a spare
+        # lost with the nodes it would take must not be handed one.
+        fresh = min(self.node_timeout, 1.5 * self.heartbeat)
+        free = sorted(k for k, n in job.nodes.items()
+                      if n.spare and not n.taking and now - n.last_seen <= fresh)  # fmt: skip
+        if len(free) < len(lost):
+            return {"fallback": f"{len(lost)} node(s) lost and {len(free)} free spare node(s) "
+                                "(flashckpt-run --spare): every worker restarts"}  # fmt: skip
+        chosen = dict(zip(lost, free, strict=False))
+        for node_name, spare_name in chosen.items():
+            spare = job.nodes[spare_name]
+            spare.taking, spare.lost_silent_s = node_name, silent
+            if deliver := self.watchers.get((name, spare_name)):
+                deliver(pb.ReportReply(heartbeat_s=self.heartbeat, take_node=node_name,
+                                       lost_silent_s=silent))  # fmt: skip
+        return {"spares": chosen}
 
     def _detect(self, name: str, job: JobState, kind: str, nodes: list[str], rank: int,
                 failed_at: float, **detail: object) -> None:  # fmt: skip
-        # In-process recovery replaces a failed worker where it ran, keeping the others:
-        # only a lost node (no launcher left to replace its ranks) restarts everyone.
-        kills = self.policy == "restart" or (self.policy == "in-process" and kind == "node_lost")
-        action = "kill" if kills else "recover" if self.policy == "in-process" else "notify"
+        # In-process recovery replaces a failed worker where it ran, keeping the others; a lost
+        # node (no launcher left to replace its ranks) is taken by spare nodes where there are
+        # enough (``_spares_for``), and else restarts everyone.
+        kills = self.policy == "restart" or (self.policy == "in-process" and kind == "node_lost"
+                                             and "spares" not in detail)  # fmt: skip
+        action = ("kill" if kills else "replace" if "spares" in detail
+                  else "recover" if self.policy == "in-process" else "notify")  # fmt: skip
         job.round_failed_at = max(job.round_failed_at, failed_at)
-        job.detections.append((time.monotonic(), pb.Detection(kind=kind, node=nodes[0],
-                                                              rank=rank, action=action)))  # fmt: skip
+        spares = detail.get("spares") or {}
+        job.detections.append((time.monotonic(), pb.Detection(
+            kind=kind, node=nodes[0], rank=rank, action=action,
+            spare=", ".join(spares.values()))))  # fmt: skip
         del job.detections[:-_KEPT_DETECTIONS]
         ordered = {}
         if action == "kill":
@@ -198,7 +246,10 @@ class Controller:
                   f"killing {sum(map(len, ordered.values()))} workers of the failed round on "
                   f"{len(ordered)} nodes" if ordered
                   else "nothing left to kill" if action == "kill"
-                  else f"policy {self.policy}: no kill")  # fmt: skip
+                  else f"spare node(s) {', '.join(spares.values())} take it, in-process"
+                  if spares else f"policy {self.policy}: no kill")  # fmt: skip
+        if "fallback" in detail:
+            log.warning("job %s: %s", name, detail["fallback"])
         lost = {"nodes": nodes} if kind == "node_lost" else {}
         self._record(kind, job=name, failed_node=nodes[0], rank=rank, action=action,
                      ordered=ordered, **lost, **detail)  # fmt: skip
@@ -226,7 +277,7 @@ class Controller:
             pb.NodeStatus(node=k, agent_id=n.agent_id, last_seen_s=now - n.last_seen,
                           lost=n.lost, workers=[s.worker for s in n.workers.values()],
                           peer_address=n.peer_address, failure_domain=n.failure_domain,
-                          replicas=n.replicas)
+                          replicas=n.replicas, spare=n.spare, taking=n.taking)
             for k, n in sorted(job.nodes.items())
         ]  # fmt: skip
         commits = [pb.GlobalCommit(url=u, step=s, generation=g)
@@ -288,7 +339,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     # answering them all.
                     said = (tuple(reply.kill_pids), reply.heartbeat_s, reply.common_known,
                             tuple((k.generation, k.step) for k in reply.common),
-                            tuple(reply.expired_replicas))  # fmt: skip
+                            tuple(reply.expired_replicas), reply.take_node)  # fmt: skip
                     if said != last[0] or request.seq % ACK_EVERY == 0:
                         last[0] = said
                         outbox.put_nowait(reply)
@@ -417,6 +468,12 @@ class InThread(threading.Thread):
             return
         self._ready.set()
         await run(self.controller, server, self._halt)
+
+    def end_job(self, job: str) -> None:
+        """The job is over (its launcher exits): its spare nodes are told, before the stop."""
+        if self._loop is not None and self.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.controller.job_over, job)
 
     def stop(self) -> None:
         if self._loop is not None and self._halt is not None and self.is_alive():

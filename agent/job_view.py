@@ -36,6 +36,9 @@ class Node:
     failure_domain: str = ""
     replicas: list = field(default_factory=list)  # pb.Replica it holds
     ran: bool = False  # this agent has reported a running worker
+    spare: bool = False  # a spare node (``flashckpt-run --spare``): runs nothing, takes a node
+    taking: str = ""  # a spare told to take this lost node's ranks
+    lost_silent_s: float = 0.0  # (taking) how long that node had been silent when found lost
 
     def running(self) -> bool:
         return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())

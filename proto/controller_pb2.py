@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ontroller.proto\x12\x17\x66lashckpt.controller.v1\"p\n\x06Worker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x10\n\x08silent_s\x18\x05 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\x12\r\n\x05\x61live\x18\x07 \x01(\x08\"+\n\x07StepKey\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"{\n\nTierCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12.\n\x04held\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\"J\n\x07Replica\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x05\"\xb1\x02\n\nNodeReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x32\n\x05tiers\x18\x06 \x03(\x0b\x32#.flashckpt.controller.v1.TierCommit\x12\r\n\x05ranks\x18\x07 \x03(\x05\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\n \x01(\t\x12\x32\n\x08replicas\x18\x0b \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"\xa4\x01\n\x0bReportReply\x12\x18\n\x10\x65xpired_replicas\x18\x06 \x03(\t\x12\x11\n\tkill_pids\x18\x01 \x03(\x05\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x63ommon_known\x18\x04 \x01(\x08\x12\x30\n\x06\x63ommon\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\"_\n\x0eHoldersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03hop\x18\x03 \x01(\x05\x12\x16\n\x0e\x66\x61ilure_domain\x18\x04 \x01(\t\x12\r\n\x05named\x18\x05 \x01(\t\"+\n\nPeerHolder\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x8f\x01\n\x0cHoldersReply\x12\x35\n\x08\x61ssigned\x18\x01 \x01(\x0b\x32#.flashckpt.controller.v1.PeerHolder\x12\x36\n\tread_from\x18\x02 \x01(\x0b\x32#.flashckpt.controller.v1.PeerHolder\x12\x10\n\x08reported\x18\x03 \x01(\x08\"\x1f\n\x10JobStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xe3\x01\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x0c\n\x04lost\x18\x04 \x01(\x08\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x07 \x01(\t\x12\x32\n\x08replicas\x18\x08 \x03(\x0b\x32 .flashckpt.controller.v1.Replica\"=\n\x0cGlobalCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"T\n\tDetection\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x05 \x01(\t\"\xc4\x01\n\x0eJobStatusReply\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x32\n\x05nodes\x18\x02 \x03(\x0b\x32#.flashckpt.controller.v1.NodeStatus\x12\x36\n\x07\x63ommits\x18\x03 \x03(\x0b\x32%.flashckpt.controller.v1.GlobalCommit\x12\x36\n\ndetections\x18\x04 \x03(\x0b\x32\".flashckpt.controller.v1.Detection2\xf7\x02\n\nController\x12S\n\x06Report\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply\x12X\n\x07\x43onnect\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply(\x01\x30\x01\x12_\n\tJobStatus\x12).flashckpt.controller.v1.JobStatusRequest\x1a\'.flashckpt.controller.v1.JobStatusReply\x12Y\n\x07Holders\x12\'.flashckpt.controller.v1.HoldersRequest\x1a%.flashckpt.controller.v1.HoldersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ontroller.proto\x12\x17\x66lashckpt.controller.v1\"p\n\x06Worker\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x10\n\x08silent_s\x18\x05 \x01(\x01\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\x12\r\n\x05\x61live\x18\x07 \x01(\x08\"+\n\x07StepKey\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"{\n\nTierCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12.\n\x04held\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\"J\n\x07Replica\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\r\n\x05ranks\x18\x04 \x03(\x05\"\xc0\x02\n\nNodeReport\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x32\n\x05tiers\x18\x06 \x03(\x0b\x32#.flashckpt.controller.v1.TierCommit\x12\r\n\x05ranks\x18\x07 \x03(\x05\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x14\n\x0cpeer_address\x18\t \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\n \x01(\t\x12\x32\n\x08replicas\x18\x0b \x03(\x0b\x32 .flashckpt.controller.v1.Replica\x12\r\n\x05spare\x18\x0c \x01(\x08\"\xe0\x01\n\x0bReportReply\x12\x18\n\x10\x65xpired_replicas\x18\x06 \x03(\t\x12\x11\n\tkill_pids\x18\x01 \x03(\x05\x12\x13\n\x0bheartbeat_s\x18\x02 \x01(\x01\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x63ommon_known\x18\x04 \x01(\x08\x12\x30\n\x06\x63ommon\x18\x05 \x03(\x0b\x32 .flashckpt.controller.v1.StepKey\x12\x11\n\ttake_node\x18\x07 \x01(\t\x12\x15\n\rlost_silent_s\x18\x08 \x01(\x01\x12\x10\n\x08job_over\x18\t \x01(\x08\"_\n\x0eHoldersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0b\n\x03hop\x18\x03 \x01(\x05\x12\x16\n\x0e\x66\x61ilure_domain\x18\x04 \x01(\t\x12\r\n\x05named\x18\x05 \x01(\t\"+\n\nPeerHolder\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x8f\x01\n\x0cHoldersReply\x12\x35\n\x08\x61ssigned\x18\x01 \x01(\x0b\x32#.flashckpt.controller.v1.PeerHolder\x12\x36\n\tread_from\x18\x02 \x01(\x0b\x32#.flashckpt.controller.v1.PeerHolder\x12\x10\n\x08reported\x18\x03 \x01(\x08\"\x1f\n\x10JobStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x82\x02\n\nNodeStatus\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x03 \x01(\x01\x12\x0c\n\x04lost\x18\x04 \x01(\x08\x12\x30\n\x07workers\x18\x05 \x03(\x0b\x32\x1f.flashckpt.controller.v1.Worker\x12\x14\n\x0cpeer_address\x18\x06 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x07 \x01(\t\x12\x32\n\x08replicas\x18\x08 \x03(\x0b\x32 .flashckpt.controller.v1.Replica\x12\r\n\x05spare\x18\t \x01(\x08\x12\x0e\n\x06taking\x18\n \x01(\t\"=\n\x0cGlobalCommit\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"c\n\tDetection\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x05 \x01(\t\x12\r\n\x05spare\x18\x06 \x01(\t\"\xc4\x01\n\x0eJobStatusReply\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x32\n\x05nodes\x18\x02 \x03(\x0b\x32#.flashckpt.controller.v1.NodeStatus\x12\x36\n\x07\x63ommits\x18\x03 \x03(\x0b\x32%.flashckpt.controller.v1.GlobalCommit\x12\x36\n\ndetections\x18\x04 \x03(\x0b\x32\".flashckpt.controller.v1.Detection2\xf7\x02\n\nController\x12S\n\x06Report\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply\x12X\n\x07\x43onnect\x12#.flashckpt.controller.v1.NodeReport\x1a$.flashckpt.controller.v1.ReportReply(\x01\x30\x01\x12_\n\tJobStatus\x12).flashckpt.controller.v1.JobStatusRequest\x1a\'.flashckpt.controller.v1.JobStatusReply\x12Y\n\x07Holders\x12\'.flashckpt.controller.v1.HoldersRequest\x1a%.flashckpt.controller.v1.HoldersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICA']._serialized_start=329
   _globals['_REPLICA']._serialized_end=403
   _globals['_NODEREPORT']._serialized_start=406
-  _globals['_NODEREPORT']._serialized_end=711
-  _globals['_REPORTREPLY']._serialized_start=714
-  _globals['_REPORTREPLY']._serialized_end=878
-  _globals['_HOLDERSREQUEST']._serialized_start=880
-  _globals['_HOLDERSREQUEST']._serialized_end=975
-  _globals['_PEERHOLDER']._serialized_start=977
-  _globals['_PEERHOLDER']._serialized_end=1020
-  _globals['_HOLDERSREPLY']._serialized_start=1023
-  _globals['_HOLDERSREPLY']._serialized_end=1166
-  _globals['_JOBSTATUSREQUEST']._serialized_start=1168
-  _globals['_JOBSTATUSREQUEST']._serialized_end=1199
-  _globals['_NODESTATUS']._serialized_start=1202
-  _globals['_NODESTATUS']._serialized_end=1429
-  _globals['_GLOBALCOMMIT']._serialized_start=1431
-  _globals['_GLOBALCOMMIT']._serialized_end=1492
-  _globals['_DETECTION']._serialized_start=1494
-  _globals['_DETECTION']._serialized_end=1578
-  _globals['_JOBSTATUSREPLY']._serialized_start=1581
-  _globals['_JOBSTATUSREPLY']._serialized_end=1777
-  _globals['_CONTROLLER']._serialized_start=1780
-  _globals['_CONTROLLER']._serialized_end=2155
+  _globals['_NODEREPORT']._serialized_end=726
+  _globals['_REPORTREPLY']._serialized_start=729
+  _globals['_REPORTREPLY']._serialized_end=953
+  _globals['_HOLDERSREQUEST']._serialized_start=955
+  _globals['_HOLDERSREQUEST']._serialized_end=1050
+  _globals['_PEERHOLDER']._serialized_start=1052
+  _globals['_PEERHOLDER']._serialized_end=1095
+  _globals['_HOLDERSREPLY']._serialized_start=1098
+  _globals['_HOLDERSREPLY']._serialized_end=1241
+  _globals['_JOBSTATUSREQUEST']._serialized_start=1243
+  _globals['_JOBSTATUSREQUEST']._serialized_end=1274
+  _globals['_NODESTATUS']._serialized_start=1277
+  _globals['_NODESTATUS']._serialized_end=1535
+  _globals['_GLOBALCOMMIT']._serialized_start=1537
+  _globals['_GLOBALCOMMIT']._serialized_end=1598
+  _globals['_DETECTION']._serialized_start=1600
+  _globals['_DETECTION']._serialized_end=1699
+  _globals['_JOBSTATUSREPLY']._serialized_start=1702
+  _globals['_JOBSTATUSREPLY']._serialized_end=1898
+  _globals['_CONTROLLER']._serialized_start=1901
+  _globals['_CONTROLLER']._serialized_end=2276
 # @@protoc_insertion_point(module_scope)

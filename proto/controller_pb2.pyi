@@ -59,7 +59,7 @@ class Replica(_message.Message):
     def __init__(self, source: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeReport(_message.Message):
-    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks", "seq", "peer_address", "failure_domain", "replicas")
+    __slots__ = ("job", "node", "agent_id", "world_size", "workers", "tiers", "ranks", "seq", "peer_address", "failure_domain", "replicas", "spare")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class NodeReport(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     agent_id: str
@@ -82,23 +83,30 @@ class NodeReport(_message.Message):
     peer_address: str
     failure_domain: str
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    spare: bool
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common")
+    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common", "take_node", "lost_silent_s", "job_over")
     EXPIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMON_KNOWN_FIELD_NUMBER: _ClassVar[int]
     COMMON_FIELD_NUMBER: _ClassVar[int]
+    TAKE_NODE_FIELD_NUMBER: _ClassVar[int]
+    LOST_SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_OVER_FIELD_NUMBER: _ClassVar[int]
     expired_replicas: _containers.RepeatedScalarFieldContainer[str]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
     seq: int
     common_known: bool
     common: _containers.RepeatedCompositeFieldContainer[StepKey]
-    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ...) -> None: ...
+    take_node: str
+    lost_silent_s: float
+    job_over: bool
+    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ..., take_node: _Optional[str] = ..., lost_silent_s: _Optional[float] = ..., job_over: _Optional[bool] = ...) -> None: ...
 
 class HoldersRequest(_message.Message):
     __slots__ = ("job", "node", "hop", "failure_domain", "named")
@@ -139,7 +147,7 @@ class JobStatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node", "agent_id", "last_seen_s", "lost", "workers", "peer_address", "failure_domain", "replicas")
+    __slots__ = ("node", "agent_id", "last_seen_s", "lost", "workers", "peer_address", "failure_domain", "replicas", "spare", "taking")
     NODE_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +156,8 @@ class NodeStatus(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    TAKING_FIELD_NUMBER: _ClassVar[int]
     node: str
     agent_id: str
     last_seen_s: float
@@ -156,7 +166,9 @@ class NodeStatus(_message.Message):
     peer_address: str
     failure_domain: str
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., lost: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    spare: bool
+    taking: str
+    def __init__(self, node: _Optional[str] = ..., agent_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., lost: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., spare: _Optional[bool] = ..., taking: _Optional[str] = ...) -> None: ...
 
 class GlobalCommit(_message.Message):
     __slots__ = ("url", "step", "generation")
@@ -169,18 +181,20 @@ class GlobalCommit(_message.Message):
     def __init__(self, url: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Detection(_message.Message):
-    __slots__ = ("kind", "node", "rank", "age_s", "action")
+    __slots__ = ("kind", "node", "rank", "age_s", "action", "spare")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     node: str
     rank: int
     age_s: float
     action: str
-    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., age_s: _Optional[float] = ..., action: _Optional[str] = ...) -> None: ...
+    spare: str
+    def __init__(self, kind: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., age_s: _Optional[float] = ..., action: _Optional[str] = ..., spare: _Optional[str] = ...) -> None: ...
 
 class JobStatusReply(_message.Message):
     __slots__ = ("policy", "nodes", "commits", "detections")

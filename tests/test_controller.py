@@ -103,6 +103,82 @@ def test_a_node_whose_agent_goes_silent_is_lost_and_the_others_are_killed(events
     assert [(d.kind, d.node, d.action) for d in status.detections] == [("node_lost", "b", "kill")]
 
 
+def spare(name: str) -> pb.NodeReport:
+    return pb.NodeReport(job=JOB, node=name, agent_id=f"{name}-s", spare=True)
+
+
+def test_under_in_process_a_lost_node_goes_to_a_free_spare_and_nothing_is_killed(events):
+    c = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    pushed = []
+    c.watch(JOB, "s1", pushed.append)
+    for now in (100, 102):
+        c.report(report("a", [worker(0, 100, 60)]), now=now)
+        assert c.report(spare("s1"), now=now).take_node == ""
+        assert c.report(spare("s2"), now=now).take_node == ""
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.tick(now=103.5)
+    (lost,) = read_events(events.path)
+    assert (lost["kind"], lost["action"], lost["spares"]) == ("node_lost", "replace", {"b": "s1"})
+    assert lost["ordered"] == {}  # the healthy workers keep running
+    assert [(r.take_node, r.lost_silent_s) for r in pushed] == [("b", 3.5)]
+    assert list(c.report(report("a", [worker(0, 100, 63)]), now=103.6).kill_pids) == []
+    again = c.report(spare("s1"), now=103.7)  # told again until it stops reporting as a spare
+    assert (again.take_node, c.report(spare("s2"), now=103.7).take_node) == ("b", "")
+    status = c.status(JOB, now=103.7)
+    assert [(n.node, n.spare, n.taking) for n in status.nodes if n.spare] == [
+        ("s1", True, "b"), ("s2", True, "")]  # fmt: skip
+    assert [(d.action, d.spare) for d in status.detections] == [("replace", "s1")]
+    # The spare now runs b's ranks under b's name; silent as a spare, it is forgotten.
+    c.report(report("b", [worker(1, 300, 1)], agent="b-on-s1"), now=104)
+    c.report(spare("s2"), now=106)
+    c.report(report("a", [worker(0, 100, 66)]), now=106)
+    c.report(report("b", [worker(1, 300, 3)], agent="b-on-s1"), now=106)
+    c.tick(now=107.5)
+    assert sorted(n.node for n in c.status(JOB, now=107.5).nodes) == ["a", "b", "s2"]
+    assert kinds(events) == ["node_lost", "node_back"]
+
+
+def test_nodes_lost_beyond_the_free_spares_restart_the_job_and_say_why(events):
+    c = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.report(report("c", [worker(2, 300, 60)]), now=100)
+    c.report(spare("s1"), now=100)  # silent since: gone, it counts for nothing
+    c.report(spare("s2"), now=102)
+    c.report(report("a", [worker(0, 100, 62)]), now=102)
+    c.tick(now=103.5)
+    (lost,) = read_events(events.path)
+    assert (lost["action"], lost["nodes"]) == ("kill", ["b", "c"])
+    assert "2 node(s) lost and 1 free spare node(s)" in lost["fallback"]
+    assert lost["ordered"]["a"] == [100]  # the healthy node's workers restart too
+    assert c.report(spare("s2"), now=103.6).take_node == ""  # not half a replacement
+
+
+def test_a_spare_not_heard_for_a_heartbeat_and_a_half_is_not_handed_a_node(events):
+    """A spare lost with the node it would take reported last about when that node did: it
+    is silent for more than 1.5 heartbeats when the node is found lost, and is not chosen."""
+    c = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.report(spare("s1"), now=101.9)
+    c.report(report("a", [worker(0, 100, 62)]), now=103.4)
+    c.tick(now=103.5)
+    (lost,) = read_events(events.path)
+    assert lost["action"] == "kill" and "0 free spare" in lost["fallback"], lost
+
+
+def test_spares_serve_in_process_recovery_only(events):
+    c = Controller(events, policy="restart", node_timeout=3, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.report(spare("s1"), now=102)
+    c.report(report("a", [worker(0, 100, 62)]), now=102)
+    c.tick(now=103.5)
+    (lost,) = read_events(events.path)
+    assert lost["action"] == "kill" and "spares" not in lost
+    assert c.report(spare("s1"), now=103.6).take_node == ""
+
+
 def test_a_node_with_no_running_worker_is_not_lost_when_its_agent_leaves(events):
     c = Controller(events, node_timeout=1)
     c.report(report("a", [worker(0, 100, 60, phase="closed")]), now=100)

@@ -67,13 +67,13 @@ class Run:
 class Cluster:
     """Two flashckpt-run "nodes" of two workers each, each with its own shared-memory and run
     directories and node name (``node_env``: each node's own variables), joined by one c10d
-    rendezvous."""
+    rendezvous. The last ``spares`` of the ``nodes`` are spare nodes (``--spare``)."""
 
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
                  trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
-                 **env: str):  # fmt: skip
+                 spares: int = 0, **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
-        self.per_node = per_node
+        self.per_node, self.spares = per_node, spares
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
         self.controller = f"127.0.0.1:{free_port_pair()}"
@@ -95,10 +95,12 @@ class Cluster:
                 "FLASHCKPT_CONTROLLER": self.controller, **self.env,
                 **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
-        cmd = [str(LAUNCHER), f"--nnodes={self.n}", f"--nproc-per-node={self.per_node}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
-               f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
-               f"--local-addr={node_addr(node)}", str(self.trainer)]  # fmt: skip
+        spare = ["--spare"] if node >= self.n - self.spares else []
+        cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
+               f"--nproc-per-node={self.per_node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
+               "--max-restarts=3", "--monitor-interval=0.1", f"--local-addr={node_addr(node)}",
+               str(self.trainer)]  # fmt: skip
         self.starts[node] += 1
         log = open(self.tmp / f"{self.name}-node{node}-{self.starts[node]}.log", "w")  # noqa: SIM115
         self.logs[node] = log

@@ -103,6 +103,10 @@ class AgentClient:
             )
         return True
 
+    @staticmethod
+    def log_path(job: str, run_dir: Path) -> Path:
+        return run_dir / f"{job}.log"
+
     @classmethod
     def connect(
         cls,
@@ -152,10 +156,8 @@ class AgentClient:
     def _spawn(self, shm_dir: Path, extra: tuple[str, ...]) -> subprocess.Popen:
         """Start the job's agent detached (with ``extra`` arguments), logging to its log."""
         job, run_dir = self.job, self.run_dir
-        logfile = open_file(run_dir / f"{job}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        cmd = [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
-               "--run-dir", str(run_dir), "--exit-when-idle",
-               str(config.setting_float("exit_when_idle", None, 30.0)), *extra]  # fmt: skip
+        logfile = open_file(self.log_path(job, run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        cmd = [sys.executable, *agent_args(job, run_dir, shm_dir, extra)]
         try:
             # Its own session: the agent outlives this trainer, and torchrun's kill of the workers.
             return subprocess.Popen(
@@ -337,3 +339,10 @@ class AgentClient:
     def close(self) -> None:
         self._sender.shutdown(wait=True)
         self.channel.close()
+
+
+def agent_args(job: str, run_dir: Path, shm_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The interpreter's arguments that run the job's agent on this node."""
+    return ["-m", "flashckpt.agent.cli", "serve", "--job", job, "--shm-dir", str(shm_dir),
+            "--run-dir", str(run_dir), "--exit-when-idle",
+            str(config.setting_float("exit_when_idle", None, 30.0)), *extra]  # fmt: skip

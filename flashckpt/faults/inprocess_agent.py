@@ -47,6 +47,7 @@ from .inprocess import (
     move_round,
     namespace,
 )
+from .spare import publish_node
 from .standby import READY_FD_ENV
 
 log = logging.getLogger(__name__)
@@ -188,12 +189,41 @@ class Supervisor:
             env = {**os.environ, **envs[w.local_rank]}
             self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)
             self.world = w.world_size
+        ns = namespace(next(iter(self.members.values())).env)
+        self._relay(ns)
+        self.standbys.fill()
+        try:  # what a spare node needs to take this node's ranks if the node is lost whole
+            publish_node(self.store, config.node_name(), ns, list(self.args), self.world,
+                         {w.global_rank: envs[w.local_rank] for w in wg.workers})  # fmt: skip
+        except Exception as exc:  # the store out of reach: no spare can take this node
+            log.warning("this node's workers are not published for a spare node: %s", exc)
+
+    def adopt(
+        self, members: dict[int, Member], args: list[str], world: int, recovery: Recovery
+    ) -> None:
+        """A spare node's start: ``members`` (local rank -> the standby now running it) took
+        a lost node's ranks, and join ``recovery``'s round."""
+        self.members = dict(members)
+        self.args, self.world, self.recovery = tuple(args), world, recovery
+        self._relay(namespace(next(iter(self.members.values())).env))
+        self.standbys.fill()
+
+    def _relay(self, ns: str) -> None:
         if path := os.environ.get(ROUND_FILE_ENV):  # a new worker group: a new namespace
             self._stop_relay()
-            ns = namespace(next(iter(self.members.values())).env)
             self.relay = RoundRelay(self.address, ns, Path(path))
             self.relay.start()
-        self.standbys.fill()
+
+    def node_replaced(self) -> bool:
+        """Whether a spare node took a lost node's ranks in this worker group (that node's
+        launcher is gone: TorchElastic's exit barrier would wait for it in vain)."""
+        if not self.members:
+            return False
+        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}/replaced"
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
 
     def stop(self) -> None:
         """Kill the replacements (TorchElastic stops the workers it started)."""
@@ -364,6 +394,15 @@ class RecoveringAgent(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         self.supervisor.close()
         super()._shutdown(*args, **kwargs)
+
+    def _exit_barrier(self) -> None:
+        # Every node's launcher waits here for all the others; a node taken by a spare has no
+        # launcher in the rendezvous any more. Every node sees the same mark, so all skip it.
+        if self.supervisor.node_replaced():
+            log.info("a spare node runs a lost node's ranks: not waiting for every node's "
+                     "launcher to finish")  # fmt: skip
+            return
+        super()._exit_barrier()
 
 
 def round_prefix() -> str | None:

@@ -42,6 +42,7 @@ from .events import EventLog, events_path
 from .hang import Hang, HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, pages, read, remove_dead
 from .proc import parent_and_state
+from .spare import split_flag
 
 if TYPE_CHECKING:
     from ..agent.controller import InThread
@@ -247,10 +248,11 @@ def controller_address(args) -> str:
     return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
 
 
-def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThread | None:
-    """Serve the controller here if its address is this host's and no other process serves it
-    (``addresses.serve_here``), and tell this node's agent where it is; None when this node
-    only reports to it, or runs without one."""
+def start_controller(args, job: str, run_dir: Path, events: EventLog,
+                     serve: bool = True) -> InThread | None:  # fmt: skip
+    """Serve the controller here if ``serve``, its address is this host's and no other
+    process serves it (``addresses.serve_here``), and tell this node's agent where it is; None
+    when this node only reports to it (a spare never serves it), or runs without one."""
     from ..agent.controller import Controller, InThread
 
     address = controller_address(args)
@@ -264,7 +266,9 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog) -> InThrea
     env = os.environ.get
     uses_tls = bool(env("FLASHCKPT_CONTROLLER_TLS_CERT") or env("FLASHCKPT_CONTROLLER_TLS_CA"))
     served: InThread | None = None
-    if uses_tls and not env("FLASHCKPT_CONTROLLER_TLS_KEY"):
+    if not serve:
+        pass
+    elif uses_tls and not env("FLASHCKPT_CONTROLLER_TLS_KEY"):
         log.info("no FLASHCKPT_CONTROLLER_TLS_KEY here: this node reports to the controller "
                  "and does not serve it")  # fmt: skip
     else:
@@ -357,11 +361,36 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str, serves_controlle
     return keep
 
 
+def _replaced_here(job: str) -> bool:
+    """Whether a spare node took this node's ranks while it was lost: then it must not join
+    the rendezvous (the job would restart whole for it), and serves as the job's spare."""
+    from .inprocess_agent import RecoveringAgent
+    from .spare import was_replaced
+
+    try:
+        spare = was_replaced(RecoveringAgent.supervisor.store, config.node_name())
+    except Exception as exc:  # the store out of reach: the rendezvous decides, as before
+        log.warning("cannot tell whether a spare took this node's ranks: %s", exc)
+        return False
+    if spare is None:
+        return False
+    # Under a name of its own: the node's name is the spare's now.
+    os.environ["FLASHCKPT_NODE"] = config.validate_name("node", f"{config.node_name()}-spare")
+    log.warning("spare node %s runs this node's ranks since this node was lost: this node now "
+                "serves the job as spare node %s", spare, config.node_name())  # fmt: skip
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(levelname)s %(message)s")
+    launch_env = dict(os.environ)  # what a spare runs this launcher again with, as a node
+    try:
+        argv, spare = split_flag(sys.argv[1:] if argv is None else argv)
+    except FlashCkptError as exc:
+        sys.exit(f"flashckpt-run: {exc}")
     args = torchrun.parse_args(argv)
     try:
         job = job_for(args)
@@ -374,8 +403,19 @@ def main(argv: list[str] | None = None) -> None:
         if stale := remove_dead(shm_dir, job):  # the job's only launcher here: none is ours
             log.info("removed the heartbeat pages of ranks %s, left by an earlier run", stale)
         events = EventLog(events_path(run_dir, job))
-        controller = start_controller(args, job, run_dir, events)
         several = not (args.standalone or str(args.nnodes) in ("1", "1:1"))
+        if spare and (restart_policy != "in-process" or not several):
+            raise FlashCkptError(
+                "a spare node (--spare, FLASHCKPT_SPARE) takes a lost node's ranks in-process: "
+                "it needs FLASHCKPT_RESTART_POLICY=in-process and a job of several nodes "
+                f"(--nnodes); this one has policy {restart_policy!r}, --nnodes={args.nnodes}"
+            )
+        controller = start_controller(args, job, run_dir, events, serve=not spare)
+        if spare and control.Endpoint.load(run_dir, job) is None:
+            raise FlashCkptError(
+                "a spare node hears of a lost node from the job's controller: set "
+                "FLASHCKPT_CONTROLLER_TOKEN_FILE (or FLASHCKPT_CONTROLLER_TOKEN) as on every node"
+            )
         if several and control.Endpoint.load(run_dir, job) is not None:
             # Each node's newest step in another node's memory: a lost node comes back from
             # there, not from storage. The agent and the workers read it from here.
@@ -391,11 +431,23 @@ def main(argv: list[str] | None = None) -> None:
             recovery_store = in_process(args, events, shm_dir, job, controller is not None)
         except FlashCkptError as exc:
             sys.exit(f"flashckpt-run: {exc}")
+    if recovery_store is not None and not spare:
+        spare = _replaced_here(job)
     os.environ["FLASHCKPT_JOB"] = job
     os.environ[EVENTS_ENV] = str(events.path)
     log.info("job %s; event log %s", job, events.path)
-    events.record("launcher_started", job=job, argv=sys.argv[1:] if argv is None else argv,
-                  hang_policy=policy.__dict__)  # fmt: skip
+    events.record("launcher_started", job=job, argv=argv, hang_policy=policy.__dict__,
+                  spare=spare)  # fmt: skip
+    if spare:
+        from .spare import Spare
+
+        began = time.monotonic()
+        try:
+            code = Spare(args, argv, job, EventLog(events.path), launch_env, claim).run()
+        finally:
+            recovery_store.close()
+        events.record("launcher_exited", ok=code == 0, seconds=time.monotonic() - began)
+        sys.exit(code)
     culprits = None
     if restart_policy == "in-process":
         from .culprit import JobCulprit
@@ -422,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         watch.stop()
         if controller is not None:
+            controller.end_job(job)
             controller.stop()
         control.file_path(run_dir, job).unlink(missing_ok=True)
         control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up

@@ -18,6 +18,7 @@ import runpy
 import sys
 
 READY_FD_ENV = "FLASHCKPT_STANDBY_READY_FD"
+WARM_ENV = "FLASHCKPT_STANDBY_WARM"  # more modules to import ahead, comma-separated
 
 
 def warm() -> None:
@@ -31,7 +32,8 @@ def warm() -> None:
     # imports, the package's doors included, and what a Checkpointer loads when it is made
     # and restores (the agent's client and messages, the tiers' registry, the restore path):
     # every module imported here is time the job does not wait for when a rank is lost.
-    for name in WARM:
+    more = [m for m in os.environ.pop(WARM_ENV, "").split(",") if m]
+    for name in (*WARM, *more):
         try:
             importlib.import_module(name)
         except ImportError as exc:  # an optional part not installed: the script never needs it

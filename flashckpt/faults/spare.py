@@ -1,0 +1,360 @@
+"""A spare node: ``flashckpt-run --spare`` (or ``FLASHCKPT_SPARE=1``) takes a lost node's ranks
+in-process, while every healthy process of the job keeps running.
+
+A spare joins no rendezvous and runs no rank. It reaches the job's controller and recovery
+store as every node does, keeps a warm standby per rank of a node (plus the node's usual
+``FLASHCKPT_STANDBY``), and reports to the controller as a spare. When the controller finds a
+node lost whole (its agent silent past the node timeout) and a spare is free, it tells the
+spare to take that node instead of killing the job's workers (``Controller._spares_for``). The
+spare then:
+
+- reads what the lost node's launcher published when its worker group started (the round
+  namespace, the script's arguments, each rank's launch variables: ``publish_node``);
+- moves the job to the next round, as a launcher does for a lost worker, and marks the node
+  taken (a lost node that comes back finds the mark and serves as the job's spare instead);
+- hands each of the node's ranks to a warm standby, as that node (``FLASHCKPT_NODE``: its
+  replicas, its commits and its place in the job are the node's), with the spare's own shared
+  memory, run directory and tiers. The healthy ranks have left their round (their collectives
+  failed with the node's connections, or their round watch saw the round move) and wait in
+  the next one; the spare's ranks join it, restore (the lost node's replica from its peer's
+  memory, else storage) and every rank agrees on the newest step all of them can read;
+- runs the node from then on as its launcher would (watchdog, agent, a standby for the next
+  lost rank), and records ``node_replaced_in_process`` with the time of each phase.
+
+Where it cannot go on (the lost node never published its workers, no standby is left, the round
+does not form in time) its ranks give up like any others, and the spare becomes the lost node's
+launcher (it runs ``flashckpt-run`` again without ``--spare``, as that node), so that the job's
+full restart finds every node it waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from .. import config
+from ..errors import FlashCkptError
+from .events import EventLog, read_events
+
+log = logging.getLogger(__name__)
+
+ENV = "FLASHCKPT_SPARE"
+FLAG = "--spare"
+# What a rank's launch variables carry that belongs to the node that launched it.
+NODE_OWN = frozenset({"TORCHELASTIC_ERROR_FILE"})
+ORPHAN_S = 120.0  # a spare whose controller is silent this long exits: the job is gone
+AGENT_START_S = 5.0  # the warm agent's time to answer before the keeper looks after it
+
+
+def split_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--spare`` (flashckpt-run's own flag, before the training script), and
+    whether this node is a spare (the flag, or FLASHCKPT_SPARE)."""
+    from torch.distributed import run as torchrun
+
+    without = [a for a in argv if a != FLAG]
+    script = torchrun.parse_args(without).training_script
+    end = argv.index(script) if script in argv else len(argv)
+    flagged = FLAG in argv[:end]
+    kept = [a for i, a in enumerate(argv) if not (a == FLAG and i < end)]
+    return kept, flagged or config.setting_bool("spare", None, False)
+
+
+def node_key(node: str) -> str:
+    return f"flashckpt/nodes/{node}"
+
+
+def replaced_key(node: str) -> str:
+    return f"flashckpt/replaced/{node}"
+
+
+def publish_node(store: Any, node: str, ns: str, args: list[str], world: int,
+                 ranks: dict[int, dict[str, str]]) -> None:  # fmt: skip
+    """What a spare needs to take this node's ranks: the round namespace, the script's
+    arguments and each rank's launch variables (``ranks``: global rank -> what TorchElastic set
+    for it), in the job's recovery store."""
+    record = {"ns": ns, "args": list(args), "world": world,
+              "ranks": {str(r): {k: v for k, v in env.items() if k not in NODE_OWN}
+                        for r, env in ranks.items()}}  # fmt: skip
+    store.set(node_key(node), json.dumps(record))
+
+
+def was_replaced(store: Any, node: str) -> str | None:
+    """The spare that took ``node``'s ranks, if one did and runs them."""
+    key = replaced_key(node)
+    return store.get(key).decode() if store.check([key]) else None
+
+
+async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event,
+                        interval: float = 0.5) -> tuple[str, float]:  # fmt: skip
+    """Report to the job's controller as a spare until it names a lost node to take: (that
+    node, how long it had been silent when found lost); ("", 0) when the job is over (the
+    controller says so, or has not answered for ORPHAN_S). Reconnects while the controller is
+    down or not known yet."""
+    import grpc
+
+    from flashckpt.proto import controller_pb2 as pb
+    from flashckpt.proto import controller_pb2_grpc as pb_grpc
+
+    from .control import Endpoint
+
+    agent_id = uuid.uuid4().hex
+    every = [interval]  # the controller's heartbeat, once it has said it
+    warned = ""
+    heard = time.monotonic()  # the controller's last answer (or this wait's start)
+
+    async def write(call: Any) -> None:
+        seq = 0
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            while True:  # a broken stream ends it: the reading side says why
+                seq += 1
+                await call.write(pb.NodeReport(job=job, node=name, agent_id=agent_id,
+                                               spare=True, seq=seq))  # fmt: skip
+                await asyncio.sleep(every[0])
+
+    while not halt.is_set():
+        if time.monotonic() - heard > ORPHAN_S:
+            log.warning("spare %s: no controller of job %s has answered for %.0fs: the job is "
+                        "over, or its first node is lost with the controller; exiting", name,
+                        job, ORPHAN_S)  # fmt: skip
+            return "", 0.0
+        endpoint = Endpoint.load(run_dir, job)
+        if endpoint is None:
+            await asyncio.sleep(every[0])
+            continue
+        channel = endpoint.channel()
+        call = pb_grpc.ControllerStub(channel).Connect(metadata=endpoint.metadata())
+        writer = asyncio.create_task(write(call))
+        try:
+            async for reply in call:
+                warned, heard = "", time.monotonic()
+                if reply.job_over:
+                    log.info("spare %s: job %s is over", name, job)
+                    return "", 0.0
+                if reply.take_node:
+                    return reply.take_node, reply.lost_silent_s
+                if reply.heartbeat_s > 0:  # twice a heartbeat: heard as fresh (controller)
+                    every[0] = min(reply.heartbeat_s / 2, 1.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.details() != warned:
+                warned = exc.details() or ""
+                log.warning("spare %s: the controller at %s: %s", name, endpoint.address,
+                            exc.details())  # fmt: skip
+        finally:
+            writer.cancel()
+            call.cancel()
+            await channel.close()
+        await asyncio.sleep(every[0])
+    raise FlashCkptError("stopped before a node was lost")
+
+
+class Spare:
+    """The spare's life: wait, take a node, run it (see the module doc)."""
+
+    def __init__(self, args: Any, argv: list[str], job: str, events: EventLog,
+                 launch_env: dict[str, str], claim: int):  # fmt: skip
+        self.args, self.argv, self.job, self.events = args, argv, job, events
+        self.launch_env, self.claim = launch_env, claim
+        self.name = config.node_name()
+        self.run_dir = config.run_dir()
+        self.shm_dir = config.shm_dir()
+
+    def run(self) -> int:
+        from .inprocess_agent import RecoveringAgent
+
+        supervisor = RecoveringAgent.supervisor
+        supervisor.standbys.count += int(self.args.nproc_per_node)  # one per rank of a node
+        supervisor.standbys.fill()
+        self.agent = self._warm_agent()
+        log.info("spare node %s of job %s: %d warm standbys, waiting for a node to be lost",
+                 self.name, self.job, supervisor.standbys.count)  # fmt: skip
+        self.events.record("spare_ready", standbys=supervisor.standbys.count)
+        halt = threading.Event()
+        lost, silent = asyncio.run(wait_for_node(self.job, self.name, self.run_dir, halt))
+        if not lost:
+            if self.agent is not None:
+                self.agent.kill()
+                self.agent.wait()
+            supervisor.close()
+            return 0
+        told = time.monotonic()
+        log.warning("spare %s takes the ranks of lost node %s", self.name, lost)
+        try:
+            target = self._take(supervisor, lost)
+        except FlashCkptError as exc:
+            log.error("spare %s cannot take node %s: %s", self.name, lost, exc)
+            self.events.record("spare_failed", lost_node=lost, reason=str(exc)[:300])
+            return self._become(lost)
+        return self._supervise(supervisor, lost, target, told, silent)
+
+    def _take(self, supervisor: Any, lost: str) -> int:
+        """Hand each of ``lost``'s ranks to a standby in the job's next round; that round."""
+        from .inprocess import NAMESPACE_ENV, ROUND_ENV, move_round
+        from .inprocess_agent import Member, Recovery
+
+        store = supervisor.store
+        if not store.check([node_key(lost)]):
+            raise FlashCkptError(f"node {lost} never published its workers (lost while starting)")
+        record = json.loads(store.get(node_key(lost)).decode())
+        ns, ranks = record["ns"], {int(r): env for r, env in record["ranks"].items()}
+        died_in = max((int(store.get(k).decode()) for r in ranks
+                       if store.check([k := f"flashckpt/{ns}/rank-{r}/round"])), default=0)  # fmt: skip
+        target = move_round(store, ns, died_in, None)
+        store.set(replaced_key(lost), self.name)
+        store.append(f"flashckpt/{ns}/replaced", f"{lost},")
+        # From here on this process is the lost node: its agent, events and ranks bear its name.
+        os.environ["FLASHCKPT_NODE"] = lost
+        self.events = EventLog(self.events.path)
+        self._start_agent()
+        members = {}
+        for rank, delta in sorted(ranks.items(), key=lambda x: int(x[1].get("LOCAL_RANK", 0))):
+            taken = supervisor.standbys.take()
+            if taken is None:
+                raise FlashCkptError(f"no warm standby left for rank {rank}")
+            proc, warm = taken
+            env = {**os.environ, **delta, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
+            proc.stdin.write(json.dumps({"env": env, "args": record["args"],
+                                         "cwd": os.getcwd()}) + "\n")  # fmt: skip
+            proc.stdin.close()
+            members[int(delta.get("LOCAL_RANK", len(members)))] = Member(rank, proc.pid, env, proc)
+            self.events.record("replacement_started", rank=rank, round=target, pid=proc.pid,
+                               warm=warm, spare=self.name)  # fmt: skip
+        supervisor.adopt(members, record["args"], int(record["world"]),
+                         Recovery(target, time.monotonic(), sorted(ranks)))  # fmt: skip
+        return target
+
+    def _warm_agent(self) -> subprocess.Popen | None:
+        """A process with the node agent's modules imported (about a second of imports), to
+        become this node's agent under the name of the node it takes (``_start_agent``)."""
+        from ..safe_paths import open_file
+        from .agent_client import AgentClient
+        from .standby import WARM_ENV
+
+        logfile = open_file(AgentClient.log_path(self.job, self.run_dir),
+                            os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # fmt: skip
+        try:  # its own session, as a started agent has: it outlives this launcher's group
+            return subprocess.Popen(
+                [sys.executable, "-u", "-m", "flashckpt.faults.standby"], stdin=subprocess.PIPE,
+                stdout=logfile, stderr=logfile, start_new_session=True, text=True,
+                env={**os.environ, WARM_ENV: "flashckpt.agent.cli,flashckpt.agent.daemon"},
+            )  # fmt: skip
+        except OSError as exc:
+            log.warning("spare %s: no warm agent (%s); one starts when a node is taken",
+                        self.name, exc)  # fmt: skip
+            return None
+        finally:
+            os.close(logfile)
+
+    def _start_agent(self) -> None:
+        """The warm agent becomes this node's agent (the keeper starts one if it is gone)."""
+        from .agent_client import agent_args
+
+        if self.agent is None or self.agent.poll() is not None:
+            return
+        args = agent_args(self.job, self.run_dir, self.shm_dir, ("--while-pid", str(os.getpid())))
+        with contextlib.suppress(OSError):
+            self.agent.stdin.write(json.dumps({"env": dict(os.environ), "args": args,
+                                               "cwd": os.getcwd()}) + "\n")  # fmt: skip
+            self.agent.stdin.close()
+
+    def _supervise(self, supervisor: Any, lost: str, target: int, told: float,
+                   silent: float) -> int:  # fmt: skip
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        from .agent_keeper import AgentKeeper
+        from .culprit import JobCulprit
+        from .hang import HangPolicy
+        from .inprocess import STORE_ENV
+        from .inprocess_agent import round_prefix
+        from .launcher import NodeWatch
+
+        culprits = JobCulprit.connect(os.environ[STORE_ENV], lost, round_prefix)
+        watch = NodeWatch(self.shm_dir, self.job, self.events, HangPolicy.from_env(),
+                          interval=0.1, one_at_a_time=True, culprits=culprits)  # fmt: skip
+        watch.start()
+        keeper = AgentKeeper(self.job, self.run_dir, self.shm_dir)
+
+        def keep(halt: threading.Event) -> None:
+            halt.wait(AGENT_START_S)  # the warm agent's own start first, not a second agent
+            keeper.run(halt)
+
+        threading.Thread(target=keep, args=(watch.halted,), daemon=True,
+                         name="flashckpt-agent-keeper").start()  # fmt: skip
+        pids = {m.pid for m in supervisor.members.values()}
+        formed_at: float | None = None
+        recorded = False
+        failed = RunResult(state=WorkerState.FAILED)
+        try:
+            while True:
+                result = supervisor.monitor(lambda: failed, _Done())
+                if result.state == WorkerState.SUCCEEDED:
+                    return 0
+                if result.state == WorkerState.FAILED:
+                    break
+                if formed_at is None and supervisor.recovery is None:
+                    formed_at = time.monotonic()
+                if formed_at is not None and not recorded:
+                    recorded = self._replaced(lost, target, pids, told, formed_at, silent)
+                time.sleep(0.1)
+        finally:
+            watch.stop()
+        return self._become(lost)
+
+    def _replaced(self, lost: str, target: int, pids: set[int], told: float, formed_at: float,
+                  silent: float) -> bool:  # fmt: skip
+        """Record ``node_replaced_in_process`` once every rank taken has restored; whether it
+        did."""
+        restored = [e for e in read_events(self.events.path)
+                    if e["kind"] == "restored" and e.get("pid") in pids]  # fmt: skip
+        if len(restored) < len(pids):
+            return False
+        steps = sorted({e.get("step") for e in restored}, key=str)
+        sources = sorted({str(e.get("source")) for e in restored})
+        restore_s = max(float(e.get("seconds") or 0.0) for e in restored)
+        self.events.record("node_replaced_in_process", spare=self.name, lost_node=lost,
+                           round=target, step=steps[0] if len(steps) == 1 else steps,
+                           sources=sources, detect_s=round(silent, 3),
+                           round_s=round(formed_at - told, 3), restore_s=round(restore_s, 3),
+                           ranks=sorted(e.get("rank") for e in restored))  # fmt: skip
+        log.info("node %s replaced in-process by spare %s: round %d formed %.2fs after it was "
+                 "handed over (found lost after %.2fs of silence), ranks restored step %s from %s",
+                 lost, self.name, target, formed_at - told, silent, steps, sources)  # fmt: skip
+        return True
+
+    def _become(self, lost: str) -> int:
+        """Run ``flashckpt-run`` again as node ``lost`` (no longer a spare): the job's full
+        restart waits for every node, this one included."""
+        from .inprocess_agent import RecoveringAgent
+
+        log.error("spare %s: in-process replacement of node %s ends; joining the job's restart as "
+                  "node %s", self.name, lost, lost)  # fmt: skip
+        self.events.record("inprocess_fallback", reason=f"spare {self.name} could not run node "
+                           f"{lost} in-process: it joins the restart as that node")  # fmt: skip
+        supervisor = RecoveringAgent.supervisor
+        with contextlib.suppress(Exception):
+            supervisor.store.delete_key(replaced_key(lost))
+        supervisor.close()
+        os.close(self.claim)
+        env = {**self.launch_env, "FLASHCKPT_NODE": lost}
+        env.pop(ENV, None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "flashckpt.faults.launcher", *self.argv],
+                  env)  # fmt: skip
+        return 1  # not reached
+
+
+class _Done:
+    """The worker context ``Supervisor.monitor`` closes on success: a spare's ranks are its
+    own children, reaped by their ``Popen``."""
+
+    def close(self) -> None:
+        pass

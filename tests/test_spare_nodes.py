@@ -1,0 +1,123 @@
+"""Spare nodes (``flashckpt-run --spare``) with real processes: a node lost whole is taken by a
+spare in-process, its ranks restored from a peer's memory, while the healthy ranks keep their
+processes; and what happens when that cannot be. Each simulated node has its own shared memory,
+run directory, agent and tiers; the job runs under the README's multi-node settings and
+``FLASHCKPT_RESTART_POLICY=in-process``."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import ROOT
+from faults import poll
+from test_launcher import PEER, Cluster, explain, reference, restores
+
+__all__ = ["reference"]  # the two-node undisturbed run's digest, shared with test_launcher
+
+INPROCESS = ROOT / "tests" / "inprocess_trainer.py"
+SETTINGS = {"FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_RECOVERY_DEADLINE": "15",
+            "FLASHCKPT_NODE_TIMEOUT": "3"}  # fmt: skip
+
+
+def spare_cluster(tmp_path, name: str, nodes: int = 3, spares: int = 1, **env: str) -> Cluster:
+    pfs = f"pfs://{tmp_path / f'{name}-pfs'}?every_steps=1000"
+    settings = {"FT_TIERS": pfs, "FT_WAIT_TIERS": PEER, "FT_FAULTS": "pause:2:12", **SETTINGS,
+                **env}  # fmt: skip
+    return Cluster(tmp_path, name, tuple({} for _ in range(nodes)), trainer=INPROCESS,
+                   nodes=nodes, spares=spares, **settings)  # fmt: skip
+
+
+def start(cluster: Cluster) -> None:
+    """Every node, node 0 first (it hosts the rendezvous, the controller and the store); then
+    wait until the pausing rank saved step 12 and its peer holds it, and the spares are warm."""
+    cluster.start(0)
+    assert poll(lambda: (cluster.run_dirs[0] / f"{cluster.job}.controller").exists(), 60)
+    for n in range(1, cluster.n):
+        cluster.start(n)
+    assert poll(lambda: (cluster.marks / "paused").exists(), 180), cluster.finish(1)
+    for n in range(cluster.n - cluster.spares, cluster.n):
+        assert poll(lambda n=n: any(e["kind"] == "spare_ready" for e in cluster.events(n)), 60)
+    time.sleep(1.0)  # the spares' first reports reach the controller
+
+
+def pids_of(log: str, rank: int) -> set[str]:
+    return set(re.findall(rf"restored {rank} \S+ pid=(\d+)", log))
+
+
+def first_step_after(events: list[dict], since: float) -> float | None:
+    stepped = [e["time"] for e in events if e["kind"] == "stepped" and e["time"] > since]
+    return min(stepped) if stepped else None
+
+
+@pytest.mark.slow
+def test_a_node_lost_whole_is_taken_by_a_spare_in_process_from_a_peers_memory(tmp_path,
+                                                                              reference):  # fmt: skip
+    """2 nodes x 2 ranks and a spare node, a shared tier persisting every 1,000 steps: node 1
+    is lost whole after step 12 (every process SIGKILLed, its memory wiped). The spare takes its
+    ranks under its name, restores them from node 0's memory, node 0's ranks keep their
+    processes and restore from their own; every rank trains step 13 again and the job ends
+    bit-identical to an undisturbed run."""
+    cluster = spare_cluster(tmp_path, "spare")
+    try:
+        start(cluster)
+        killed = time.time()
+        cluster.lose(1)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, -9, 0], explain(run)  # node 1's launcher: the SIGKILL
+    lost = next(e for e in run.events[0] if e["kind"] == "node_lost")
+    assert (lost["action"], lost["spares"]) == ("replace", {"node1": "node2"}), lost
+    assert lost["ordered"] == {}, lost
+    (replaced,) = [e for e in run.events[2] if e["kind"] == "node_replaced_in_process"]
+    assert (replaced["spare"], replaced["lost_node"], replaced["node"]) == (
+        "node2", "node1", "node1"), replaced  # fmt: skip
+    assert replaced["step"] == 12 and replaced["ranks"] == [2, 3], replaced
+    for phase in ("detect_s", "round_s", "restore_s"):
+        assert replaced[phase] > 0, replaced
+    kept, taken = restores(run.events[0]), restores(run.events[2])
+    assert sorted(taken) == [2, 3] and {e["step"] for e in taken.values()} == {12}, taken
+    assert all(e["source"].startswith("peer node0 ") for e in taken.values()), taken
+    assert {kept[r]["step"] for r in (0, 1)} == {12}, kept
+    assert {kept[r]["source"] for r in (0, 1)} == {"shared memory"}, kept
+    for rank in (0, 1):  # node 0's ranks kept their processes through it
+        assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
+    assert not any(e["kind"] == "inprocess_fallback" for ev in run.events for e in ev), explain(run)
+    assert run.digest == reference
+    back = first_step_after(run.events[2], killed)
+    assert back is not None, explain(run)
+    print(f"SIGKILL -> the spare's first step trained: {back - killed:.2f}s; {replaced}")
+
+
+@pytest.mark.slow
+def test_a_spare_with_nothing_to_take_exits_with_the_job(tmp_path, reference):
+    """No fault: the job ends on its nodes, and the spare (told by the controller) with it."""
+    cluster = spare_cluster(tmp_path, "idle", FT_FAULTS="")
+    try:
+        for n in range(cluster.n):
+            cluster.start(n)
+            if n == 0:
+                assert poll(lambda: (cluster.run_dirs[0] / f"{cluster.job}.controller").exists(),
+                            60)  # fmt: skip
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, 0, 0], explain(run)
+    assert run.digest == reference
+    assert any(e["kind"] == "spare_ready" for e in run.events[2]), explain(run)
+    assert "job " in run.logs[2] and " is over" in run.logs[2], run.logs[2][-2000:]
+
+
+@pytest.mark.slow
+def test_a_spare_node_needs_in_process_recovery(tmp_path):
+    cluster = Cluster(tmp_path, "policy", ({}, {}, {}), nodes=3, spares=1,
+                      FLASHCKPT_RESTART_POLICY="restart")  # fmt: skip
+    cluster.start(2)
+    code = cluster.procs[2].wait(60)
+    cluster.close()
+    text = (tmp_path / "policy-node2-1.log").read_text()
+    assert code == 1 and "FLASHCKPT_RESTART_POLICY=in-process" in text, text
