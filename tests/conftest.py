@@ -162,3 +162,24 @@ def nodes(tmp_path, monkeypatch):
     yield make
     for n in made:
         n.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> str:
+    """The weights' digest of the two-node launcher job run undisturbed (once per test
+    process: every module of multi-node runs compares with it)."""
+    from test_launcher import explain, run_job
+
+    run = run_job(tmp_path_factory.mktemp("ref"), "ref")
+    assert run.codes == [0, 0] and run.digest, explain(run)
+    return run.digest
+
+
+@pytest.fixture(scope="session")
+def reference3(tmp_path_factory) -> str:
+    """The same for three nodes."""
+    from test_launcher import explain, run_job
+
+    run = run_job(tmp_path_factory.mktemp("ref3"), "ref3", nodes=3, node_env=({}, {}, {}))
+    assert run.codes == [0, 0, 0] and run.digest, explain(run)
+    return run.digest

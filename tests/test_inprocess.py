@@ -17,14 +17,12 @@ import time
 import pytest
 from conftest import ROOT, wait_for
 from test_addresses import hold
-from test_launcher import NODES, PER_NODE, TOKEN, Cluster, explain, reference, run_job
+from test_launcher import NODES, PER_NODE, TOKEN, Cluster, explain, run_job
 
 pytestmark = pytest.mark.serial  # which rank is the culprit is judged by the clock
 
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 WORLD = NODES * PER_NODE
-
-__all__ = ["reference"]  # the undisturbed run's digest, shared with test_launcher
 
 
 def env(**more: str) -> dict[str, str]:

@@ -181,13 +181,6 @@ def explain(run: Run) -> str:
                      for n, (c, text) in enumerate(zip(run.codes, run.logs, strict=True)))  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
-    run = run_job(tmp_path_factory.mktemp("ref"), "ref")
-    assert run.codes == [0, 0] and run.digest, explain(run)
-    return run.digest
-
-
 @pytest.mark.slow
 def test_a_killed_rank_restarts_every_node_at_the_step_after_the_last_saved(tmp_path, reference):
     run = run_job(tmp_path, "kill", FT_FAULT="kill", FT_RANK="1", FT_STEP="12")

@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from ports import free_port_pair
-from test_launcher import NODES, PER_NODE, TOKEN, TRAINER, reference, restores
+from test_launcher import NODES, PER_NODE, TOKEN, TRAINER, restores
 
 from flashckpt.errors import ConfigError
 from flashckpt.faults import slurm
 from flashckpt.faults.events import events_path, read_events
-
-__all__ = ["reference"]  # the undisturbed run's digest, shared with test_launcher
 
 LAUNCH = ROOT / "examples" / "slurm" / "launch.sh"
 

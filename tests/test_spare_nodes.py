@@ -7,14 +7,16 @@ run directory, agent and tiers; the job runs under the README's multi-node setti
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import pytest
 from conftest import ROOT
 from faults import poll
-from test_launcher import PEER, Cluster, explain, reference, restores
+from flashckpt.agent.replicas import store_root
+from test_launcher import PEER, Cluster, explain, restores
 
-__all__ = ["reference"]  # the two-node undisturbed run's digest, shared with test_launcher
+from flashckpt.faults.report import render, summarize
 
 INPROCESS = ROOT / "tests" / "inprocess_trainer.py"
 SETTINGS = {"FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_RECOVERY_DEADLINE": "15",
@@ -90,6 +92,12 @@ def test_a_node_lost_whole_is_taken_by_a_spare_in_process_from_a_peers_memory(tm
     back = first_step_after(run.events[2], killed)
     assert back is not None, explain(run)
     print(f"SIGKILL -> the spare's first step trained: {back - killed:.2f}s; {replaced}")
+    # flashckpt report, on the logs of the nodes that remain: one lost node, taken by a spare.
+    report = summarize([e for n in (0, 2) for e in run.events[n]])
+    assert report.recoveries() == {"in_process": 0, "spare_node": 1, "restart": 0}, report
+    (failure,) = report.failures
+    assert (failure.kind, failure.spare, failure.restored_step) == ("node", "node2", 12), failure
+    assert "1 by a spare node taking a lost node" in render(report)
 
 
 @pytest.mark.slow
@@ -121,3 +129,75 @@ def test_a_spare_node_needs_in_process_recovery(tmp_path):
     cluster.close()
     text = (tmp_path / "policy-node2-1.log").read_text()
     assert code == 1 and "FLASHCKPT_RESTART_POLICY=in-process" in text, text
+
+
+@pytest.mark.slow
+def test_two_nodes_lost_with_one_replica_are_both_taken_by_spares_from_the_newest_stored_step(
+    tmp_path, reference3
+):
+    """3 nodes x 2 ranks and two spares, the shared tier at most every 5 steps: nodes 1 and 2
+    are lost together after step 12, and node 2 held node 1's replica. Each spare takes one
+    node in-process; node 1's ranks can read only what storage holds for every rank, so every
+    rank (node 0's keep their processes) goes back to the newest stored step, and the job
+    ends bit-identical."""
+    pfs = tmp_path / "two-pfs"
+    cluster = spare_cluster(tmp_path, "two", nodes=5, spares=2,
+                            FT_TIERS=f"pfs://{pfs}?every_steps=5")  # fmt: skip
+    try:
+        start(cluster)
+        holder = store_root(cluster.shm[0], cluster.job) / "node2"  # node 2's step 12 there
+        assert poll(lambda: any(holder.rglob("commit-node2.json")), 60)
+        for n in (1, 2):
+            cluster.signal_node(n, signal.SIGKILL)
+        for n in (1, 2):
+            cluster.lose(n)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish()
+    assert run.codes == [0, -9, -9, 0, 0], explain(run)
+    # One detection, or two where their agents' last reports fell in different ticks.
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert {e["action"] for e in lost} == {"replace"}, lost
+    taken = {k: v for e in lost for k, v in e["spares"].items()}
+    assert sorted(taken) == ["node1", "node2"], lost
+    assert sorted(taken.values()) == ["node3", "node4"], lost
+    replaced = [e for n in (3, 4) for e in run.events[n] if e["kind"] == "node_replaced_in_process"]
+    assert sorted(e["lost_node"] for e in replaced) == ["node1", "node2"], explain(run)
+    resumed = {}
+    for n in (0, 3, 4):
+        resumed.update(restores(run.events[n]))
+    assert sorted(resumed) == list(range(6)), explain(run)
+    (step,) = {e["step"] for e in resumed.values()}  # one step for every rank
+    assert step < 12 and step % 5 == 0, resumed
+    assert all(resumed[r]["source"].startswith("pfs") for r in (2, 3)), resumed
+    for rank in (0, 1):
+        assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
+    assert not any(e["kind"] == "inprocess_fallback" for ev in run.events for e in ev), explain(run)
+    assert run.digest == reference3
+
+
+@pytest.mark.slow
+def test_a_second_node_lost_while_the_first_is_taken_ends_in_one_restart(tmp_path, reference3):
+    """3 nodes and one spare: node 1 is lost whole and handed to the spare; node 2 is lost
+    while that happens, with no spare left. The job restarts once (the spare joins it as
+    node 1, node 2 comes back wiped) and ends bit-identical, never hung."""
+    cluster = spare_cluster(tmp_path, "second", nodes=4, spares=1)
+    try:
+        start(cluster)
+        cluster.lose(1)
+        assert poll(lambda: any(e["kind"] == "node_lost" for e in cluster.events(0)), 30)
+        cluster.lose(2)
+        time.sleep(0.5)
+        cluster.start(2)  # a fresh machine in its place
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish(300)
+    assert run.codes == [0, -9, 0, 0], explain(run)
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert [e["action"] for e in lost[:2]] == ["replace", "kill"], lost
+    assert "0 free spare" in lost[1]["fallback"], lost
+    fallbacks = [e for e in run.events[0] if e["kind"] == "inprocess_fallback"]
+    assert len(fallbacks) <= 1, fallbacks
+    assert run.digest == reference3

@@ -45,6 +45,7 @@ class Failure:
     replacement_s: float | None = None
     fallback: str | None = None  # why in-process recovery gave way to a restart
     node: str | None = None  # the node it hit (the lost one, for a node)
+    spare: str | None = None  # the spare node that took the lost node's ranks, in-process
     sources: list[str] = field(default_factory=list)  # where its ranks restored from
 
     @property
@@ -94,8 +95,17 @@ class Report:
             "stall_per_save_s": self.stall_per_save_s,
             "failures": [{**f.__dict__, "resume_s": f.resume_s, "from_replica": f.from_replica,
                           "recomputed_steps": f.recomputed_steps()} for f in self.failures],
-            "node_losses": self.node_losses(),
+            "node_losses": self.node_losses(), "recoveries": self.recoveries(),
         }  # fmt: skip
+
+    def recoveries(self) -> dict[str, int]:
+        """How the failures were recovered: in-process (every healthy process kept), by a spare
+        node taking a lost node's ranks (in-process too), or by a full restart."""
+        out = {"in_process": 0, "spare_node": 0, "restart": 0}
+        for f in self.failures:
+            out["spare_node" if f.spare else "in_process" if f.mode == "in-process"
+                else "restart"] += 1  # fmt: skip
+        return out
 
     def node_losses(self) -> dict[str, dict[str, int]]:
         """Lost nodes, split by whether a peer's replica served their ranks: how many, and
@@ -260,6 +270,12 @@ class _Reader:
             self.open.replacement_s = max(self.open.replacement_s or 0.0,
                                           _num(e.get("replacement_s")))  # fmt: skip
 
+    def on_node_replaced_in_process(self, e: dict, t: float) -> None:
+        """A spare took the lost node's ranks (the spare's log, under the lost node's name)."""
+        if self.open is not None and isinstance(e.get("spare"), str):
+            self.open.mode, self.open.spare = "in-process", e["spare"]
+            self.open.replacement_s = _num(e.get("round_s")) or self.open.replacement_s
+
     def on_inprocess_fallback(self, e: dict, t: float) -> None:
         if self.open is not None:
             self.open.mode, self.open.fallback = "restart", str(e.get("reason"))
@@ -311,7 +327,10 @@ def render(report: Report) -> str:
     for i, f in enumerate(report.failures, 1):
         steps = f.recomputed_steps()
         what = {"node": "lost node", "exit": "exit"}.get(f.kind, f.kind)
-        if f.mode == "in-process":
+        if f.spare:
+            parts = (f"in-process, taken by spare node {f.spare}: detect {f.detect_s:.2f}s, "
+                     f"round {_s(f.replacement_s)}, restore {_s(f.restore_s)}")  # fmt: skip
+        elif f.mode == "in-process":
             parts = (f"in-process: detect {f.detect_s:.2f}s, abort {_s(f.abort_s)}, "
                      f"rendezvous {_s(f.rendezvous_s)}, replacement {_s(f.replacement_s)}, "
                      f"restore {_s(f.restore_s)}")  # fmt: skip
@@ -333,6 +352,10 @@ def render(report: Report) -> str:
         r, s = losses["replica"], losses["storage"]
         lines.append(f"lost nodes: {r['failures']} served by a peer's replica ({r['recomputed_steps']} "
                      f"step(s) recomputed), {s['failures']} from storage ({s['recomputed_steps']})")  # fmt: skip
+    if report.failures:
+        done = report.recoveries()
+        lines.append(f"recovered: {done['in_process']} in-process, {done['spare_node']} by a spare "
+                     f"node taking a lost node (in-process), {done['restart']} by a full restart")  # fmt: skip
     step = f"{report.step_s * 1000:.1f} ms" if report.step_s else "unknown"
     lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s (the slowest rank's)")
     effective = report.effective()
