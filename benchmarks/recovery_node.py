@@ -1,0 +1,143 @@
+"""A node lost whole: from its SIGKILL to every rank training again, with a spare node and without.
+
+    python benchmarks/recovery_node.py [--repeat 5] [--node-timeout 3]
+
+Two simulated nodes x two gloo ranks under ``flashckpt-run`` with ``FLASHCKPT_RESTART_POLICY=
+in-process`` (the launcher tests' job, ``tests/inprocess_trainer.py``), each node with its own
+shared memory, run directory, agent and loopback address, a shared ``pfs://`` tier persisting
+every 1,000 steps, every node's newest step in another node's memory (the multi-node default).
+Rank 2 (node 1) saves step 12, waits until node 0 holds its replica, and node 1 is lost whole:
+its launcher, workers and agent SIGKILLed, its memory and run directory wiped. Side by side,
+interleaved, ``--repeat`` runs of each:
+
+- spare: a third node runs ``flashckpt-run --spare``; the controller hands it node 1, which it
+  runs in-process (node 0's ranks keep their processes);
+- restart (today without a spare): node 1 is started again, wiped, as soon as the controller
+  has found it lost (a scheduler that needs no time at all), and the job restarts whole.
+
+A run passes when the job finishes, every rank restored step 12 and the weights equal an
+undisturbed run's; for the spare, node 0's ranks also kept their pids. Times are from the
+SIGKILL until every rank has trained a step again; the spare's phases come from its
+``node_replaced_in_process`` event (detect: from the SIGKILL to the controller's verdict;
+round: the spare's ranks handed over until the round formed; restore: the slowest rank's).
+The RESULT line holds the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from faults import poll  # noqa: E402  (tests/ holds the job and its cluster of simulated nodes)
+from test_launcher import PEER, Cluster, explain, run_job  # noqa: E402
+
+TRAINER = ROOT / "tests" / "inprocess_trainer.py"
+
+
+def cluster(tmp: Path, name: str, spare: bool, node_timeout: float) -> Cluster:
+    nodes = 3 if spare else 2
+    return Cluster(tmp, name, tuple({} for _ in range(nodes)), trainer=TRAINER, nodes=nodes,
+                   spares=int(spare), FT_TIERS=f"pfs://{tmp / f'{name}-pfs'}?every_steps=1000",
+                   FT_WAIT_TIERS=PEER, FT_FAULTS="pause:2:12",
+                   FLASHCKPT_RESTART_POLICY="in-process", FLASHCKPT_RECOVERY_DEADLINE="15",
+                   FLASHCKPT_NODE_TIMEOUT=f"{node_timeout:g}")  # fmt: skip
+
+
+def one_run(tmp: Path, name: str, spare: bool, node_timeout: float, reference: str) -> dict:
+    c = cluster(tmp, name, spare, node_timeout)
+    try:
+        c.start(0)
+        assert poll(lambda: (c.run_dirs[0] / f"{c.job}.controller").exists(), 60)
+        for n in range(1, c.n):
+            c.start(n)
+        assert poll(lambda: (c.marks / "paused").exists(), 180), "the job never paused"
+        if spare:
+            assert poll(lambda: any(e["kind"] == "spare_ready" for e in c.events(2)), 60)
+            time.sleep(1.0)
+        killed = time.time()
+        c.lose(1)
+        if not spare:  # the scheduler starts a fresh node in its place at once
+            assert poll(lambda: any(e["kind"] == "node_lost" for e in c.events(0)), 30)
+            c.start(1)
+    except BaseException:
+        c.close()
+        raise
+    run = c.finish(300)
+    taker = 2 if spare else 1
+    events = [e for n in (0, taker) for e in run.events[n]]
+    restored = {e["rank"]: e["step"] for e in events if e["kind"] == "restored"
+                and e["time"] > killed}  # fmt: skip
+    first = {}
+    for e in sorted(events, key=lambda e: e["time"]):
+        if e["kind"] == "stepped" and e["time"] > killed:
+            first.setdefault(e["rank"], e["time"])
+    kept = all(len(set(re.findall(rf"restored {r} \S+ pid=(\d+)", run.logs[0]))) == 1
+               for r in (0, 1))  # fmt: skip
+    ok = (run.codes[0] == 0 and run.codes[taker] == 0 and run.digest == reference
+          and restored == dict.fromkeys(range(4), 12) and sorted(first) == [0, 1, 2, 3]
+          and (kept or not spare))  # fmt: skip
+    out = {"ok": ok, "back_s": max(first.values()) - killed if ok else None}
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    if lost:
+        out["detect_s"] = lost[0]["time"] - killed
+    done = [e for e in run.events[taker] if e["kind"] == "node_replaced_in_process"]
+    if done:
+        out.update(round_s=done[0]["round_s"], restore_s=done[0]["restore_s"])
+    if not ok:
+        print(
+            f"  {name}: FAILED (codes {run.codes}, restored {restored}, pids kept {kept}, "
+            f"digest {'ok' if run.digest == reference else run.digest})\n{explain(run)[-3000:]}"
+        )
+    return out
+
+
+def summary(runs: list[dict], key: str) -> str:
+    values = sorted(r[key] for r in runs if r.get(key) is not None)
+    if not values:
+        return "-"
+    p90 = values[min(len(values) - 1, int(round(0.9 * (len(values) - 1))))]
+    return f"{statistics.median(values):.2f} / {p90:.2f} / {values[-1]:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--node-timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="recovery-node-"))
+    reference = run_job(tmp, "ref").digest
+    results: dict[str, list[dict]] = {"spare": [], "restart": []}
+    for i in range(args.repeat):
+        for case in results:
+            r = one_run(tmp, f"{case}{i}", case == "spare", args.node_timeout, reference)
+            results[case].append(r)
+            print(f"run {i + 1} {case}: " + ", ".join(
+                f"{k} {v:.2f}s" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()),
+                flush=True)  # fmt: skip
+    print(f"\nnode 1 of 2 lost whole (2 gloo ranks a node), node timeout {args.node_timeout:g}s, "
+          f"{args.repeat} runs a case; seconds p50 / p90 / max")  # fmt: skip
+    print(f"{'case':<9}{'passed':>8}{'SIGKILL -> every rank trained':>32}{'detect':>22}"
+          f"{'round':>22}{'restore':>22}")  # fmt: skip
+    for case, runs in results.items():
+        passed = sum(r["ok"] for r in runs)
+        print(f"{case:<9}{f'{passed}/{len(runs)}':>8}{summary(runs, 'back_s'):>32}"
+              f"{summary(runs, 'detect_s'):>22}{summary(runs, 'round_s'):>22}"
+              f"{summary(runs, 'restore_s'):>22}")  # fmt: skip
+    med = {c: statistics.median([r["back_s"] for r in runs if r["back_s"] is not None] or [0])
+           for c, runs in results.items()}  # fmt: skip
+    ratio = med["restart"] / med["spare"] if med["spare"] else float("nan")
+    print(f"RESULT node lost whole: spare {med['spare']:.2f}s, full restart {med['restart']:.2f}s "
+          f"(p50, SIGKILL -> every rank trained again): {ratio:.1f}x faster with a spare; "
+          f"passed {sum(r['ok'] for r in results['spare'])}/{args.repeat} and "
+          f"{sum(r['ok'] for r in results['restart'])}/{args.repeat}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
