@@ -79,9 +79,10 @@ class Controller:
                                             lost_silent_s=old.lost_silent_s)  # fmt: skip
         node.last_seen, node.lost = now, False
         node.spare = r.spare
-        if r.spare:  # runs nothing: heard only to be handed a lost node
+        if r.spare:  # runs nothing: heard only to be handed a lost node, or told it is over
             return pb.ReportReply(heartbeat_s=self.heartbeat, seq=r.seq, take_node=node.taking,
-                                  lost_silent_s=node.lost_silent_s)  # fmt: skip
+                                  lost_silent_s=node.lost_silent_s,
+                                  job_over=not node.taking and _over(job))  # fmt: skip
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.peer_address, node.failure_domain = r.peer_address, r.failure_domain
@@ -296,6 +297,14 @@ class Controller:
             self.events.record(kind, **fields)
 
 
+def _over(job: JobState) -> bool:
+    """Whether the job has run and ended: every worker of every node closed its Checkpointer
+    (a killed or crashed one has not; a restart's new ones run), and no node is lost."""
+    nodes = [n for n in job.nodes.values() if not n.spare]
+    return (any(n.ran for n in nodes) and not any(n.lost for n in nodes)
+            and all(s.worker.phase == "closed" for n in nodes for s in n.workers.values()))  # fmt: skip
+
+
 _HANG_UP = pb.ReportReply()  # the controller stops: a stream's last word (never sent)
 
 
@@ -339,7 +348,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                     # answering them all.
                     said = (tuple(reply.kill_pids), reply.heartbeat_s, reply.common_known,
                             tuple((k.generation, k.step) for k in reply.common),
-                            tuple(reply.expired_replicas), reply.take_node)  # fmt: skip
+                            tuple(reply.expired_replicas), reply.take_node,
+                            reply.job_over)  # fmt: skip
                     if said != last[0] or request.seq % ACK_EVERY == 0:
                         last[0] = said
                         outbox.put_nowait(reply)

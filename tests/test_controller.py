@@ -167,6 +167,23 @@ def test_a_spare_not_heard_for_a_heartbeat_and_a_half_is_not_handed_a_node(event
     assert lost["action"] == "kill" and "0 free spare" in lost["fallback"], lost
 
 
+def test_a_spare_is_told_the_job_is_over_once_every_worker_has_closed(events):
+    c = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    assert not c.report(spare("s1"), now=99).job_over  # nothing has run yet
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60, phase="closed")]), now=100)
+    assert not c.report(spare("s1"), now=100).job_over  # a still runs
+    c.report(report("a", [worker(0, 100, 61, alive=False)]), now=101)  # died: not an end
+    assert not c.report(spare("s1"), now=101).job_over
+    c.report(report("a", [worker(0, 110, 1, phase="closed")]), now=102)  # its replacement
+    c.report(report("b", []), now=102)  # its page removed at close
+    assert c.report(spare("s1"), now=102).job_over
+    pushed = []
+    c.watch(JOB, "s1", pushed.append)
+    c.job_over(JOB)  # the launcher serving the controller exits: said at once
+    assert [r.job_over for r in pushed] == [True]
+
+
 def test_spares_serve_in_process_recovery_only(events):
     c = Controller(events, policy="restart", node_timeout=3, heartbeat=1)
     c.report(report("a", [worker(0, 100, 60)]), now=100)

@@ -178,3 +178,27 @@ def test_the_kubernetes_controller_service_exposes_the_controller_and_the_recove
     }
     name = service["metadata"]["name"]
     assert f"{STORE_ENV}={name}:{store_port}" in path.read_text()
+
+
+def test_the_kubernetes_spare_node_runs_the_jobs_launch_line_with_spare():
+    """The spare pod's flashckpt-run parses as a spare of the controller example's job: the
+    launcher's own flag stripped before torchrun's arguments, in-process recovery, and the
+    controller and store that controller.yaml serves."""
+    import yaml
+
+    from flashckpt.faults.spare import split_flag
+
+    pod = yaml.safe_load((EXAMPLES / "kubernetes" / "spare-node.yaml").read_text())
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    assert command[0] == "flashckpt-run"
+    argv, spare = split_flag(command[1:])
+    assert spare and "--spare" not in argv and argv[-1] == "train.py"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["FLASHCKPT_RESTART_POLICY"] == "in-process"
+    controller = (EXAMPLES / "kubernetes" / "controller.yaml").read_text()
+    for name in ("FLASHCKPT_CONTROLLER", "FLASHCKPT_RECOVERY_STORE"):
+        assert (
+            env[name].split(":")[0] == "flashckpt-controller-run1"
+            and env[name].split(":")[1] in controller
+        )

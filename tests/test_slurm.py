@@ -56,6 +56,20 @@ def test_the_job_is_named_after_the_slurm_job_not_its_id():
     assert "export FLASHCKPT_JOB=llama-70b-pretrain" in out.stdout, out.stderr
 
 
+def test_the_last_nodes_of_the_allocation_are_the_spares():
+    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_JOB_NAME": "run", "SLURM_JOB_NUM_NODES": "3",
+           "FLASHCKPT_SPARES": "1"}  # fmt: skip
+    first, last = (slurm.settings({**env, "SLURM_NODEID": i}) for i in ("0", "2"))
+    assert first["FLASHCKPT_NNODES"] == last["FLASHCKPT_NNODES"] == "2"
+    assert "FLASHCKPT_SPARE" not in first and last["FLASHCKPT_SPARE"] == "1"
+    assert first["FLASHCKPT_RDZV_HOST"] == "n1"
+    for bad in ("3", "-1", "one"):
+        with pytest.raises(ConfigError, match="FLASHCKPT_SPARES"):
+            slurm.settings({**env, "SLURM_NODEID": "0", "FLASHCKPT_SPARES": bad})
+    with pytest.raises(ConfigError, match="SLURM_NODEID"):
+        slurm.settings(env)
+
+
 @pytest.mark.slow
 def test_the_sbatch_launch_line_runs_a_fault_tolerant_job_on_two_nodes(tmp_path, reference):
     # The controller takes the rendezvous port + 1 (FLASHCKPT_CONTROLLER unset): both free.

@@ -6,8 +6,11 @@ run directory, agent and tiers; the job runs under the README's multi-node setti
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +19,10 @@ from faults import poll
 from flashckpt.agent.replicas import store_root
 from test_launcher import PEER, Cluster, explain, restores
 
+from flashckpt.errors import ConfigError
 from flashckpt.faults.report import render, summarize
+from flashckpt.faults.spare import split_flag
+from flashckpt.faults.standby import script_imports
 
 INPROCESS = ROOT / "tests" / "inprocess_trainer.py"
 SETTINGS = {"FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_RECOVERY_DEADLINE": "15",
@@ -201,3 +207,39 @@ def test_a_second_node_lost_while_the_first_is_taken_ends_in_one_restart(tmp_pat
     fallbacks = [e for e in run.events[0] if e["kind"] == "inprocess_fallback"]
     assert len(fallbacks) <= 1, fallbacks
     assert run.digest == reference3
+
+
+def test_spare_is_the_launchers_flag_only_before_the_training_script(monkeypatch):
+    monkeypatch.delenv("FLASHCKPT_SPARE", raising=False)
+    assert split_flag(["--spare", "--nnodes=2", "t.py", "--spare"]) == (
+        ["--nnodes=2", "t.py", "--spare"], True)  # fmt: skip
+    assert split_flag(["--nnodes=2", "t.py", "--spare"]) == (
+        ["--nnodes=2", "t.py", "--spare"],
+        False,
+    )
+    monkeypatch.setenv("FLASHCKPT_SPARE", "1")
+    assert split_flag(["--nnodes=2", "t.py"]) == (["--nnodes=2", "t.py"], True)
+    monkeypatch.setenv("FLASHCKPT_SPARE", "maybe")
+    with pytest.raises(ConfigError, match="FLASHCKPT_SPARE"):
+        split_flag(["--nnodes=2", "t.py"])
+
+
+def test_a_standby_warms_the_training_scripts_own_imports(tmp_path):
+    """What the script imports at its top level is imported ahead, from where the script runs
+    (its sibling modules too); a module that fails to import is left to the script."""
+    (tmp_path / "helper_mod_for_standby.py").write_text("VALUE = 7\n")
+    script = tmp_path / "train_me.py"
+    script.write_text("from __future__ import annotations\nimport json, helper_mod_for_standby\n"
+                      "from email import message\nfrom . import nothing\nimport missing_mod_x\n"
+                      "if __name__ == '__main__':\n    import csv\n")  # fmt: skip
+    where, names = script_imports(["-u", str(script), "--lr", "1"])
+    assert where == str(tmp_path)
+    assert names == ["json", "helper_mod_for_standby", "email", "missing_mod_x"]
+    probe = ("import json, sys; from flashckpt.faults.standby import warm_script; "
+             f"warm_script(['-u', {str(script)!r}]); "
+             "print(json.dumps(['helper_mod_for_standby' in sys.modules, "
+             "'email' in sys.modules, 'csv' in sys.modules]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [True, True, False], out.stderr
+    assert "missing_mod_x (imported by the script) not warmed" in out.stderr
+    assert "argparse" in script_imports(["-m", "json.tool"])[1]  # python -m module: its file

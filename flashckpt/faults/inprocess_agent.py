@@ -48,7 +48,7 @@ from .inprocess import (
     namespace,
 )
 from .spare import publish_node
-from .standby import READY_FD_ENV
+from .standby import READY_FD_ENV, SCRIPT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class Standbys:
     def __init__(self, count: int, events: EventLog):
         self.count, self.events = count, events
         self.idle: list[tuple[subprocess.Popen, int, float]] = []  # (process, ready pipe, since)
+        self.script: list[str] = []  # the workers' command line: its imports are warmed too
 
     def fill(self) -> None:
         self.idle = [s for s in self.idle if s[0].poll() is None]
@@ -79,7 +80,8 @@ class Standbys:
             read, write = os.pipe()
             proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "flashckpt.faults.standby"], stdin=subprocess.PIPE,
-                env={**os.environ, READY_FD_ENV: str(write)}, pass_fds=(write,), text=True,
+                env={**os.environ, READY_FD_ENV: str(write), SCRIPT_ENV: json.dumps(self.script)},
+                pass_fds=(write,), text=True,
             )  # fmt: skip
             os.close(write)
             self.idle.append((proc, read, time.monotonic()))
@@ -185,6 +187,7 @@ class Supervisor:
         self.members.clear()
         self.recovery = None
         self.args = tuple(wg.spec.args)
+        self.standbys.script = list(self.args)
         for w in wg.workers:
             env = {**os.environ, **envs[w.local_rank]}
             self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)

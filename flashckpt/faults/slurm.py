@@ -12,6 +12,10 @@ needs four things from them, printed as shell ``export`` lines for ``eval``:
   Not the job id: a job requeued (``sbatch --requeue``, or after a node failure) keeps its
   name, and its snapshots are found by the name;
 - ``FLASHCKPT_NODE``: ``SLURMD_NODENAME``, the node's name in the allocation.
+
+With ``FLASHCKPT_SPARES=K`` the last K nodes of the allocation (by ``SLURM_NODEID``) are the
+job's spare nodes: ``FLASHCKPT_NNODES`` counts the others, and a spare gets
+``FLASHCKPT_SPARE=1`` (``flashckpt-run --spare``: it takes a lost node's ranks in-process).
 """
 
 from __future__ import annotations
@@ -122,11 +126,26 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
     if not nodelist:
         raise ConfigError("no SLURM_JOB_NODELIST: run this under srun, inside an allocation")
     nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or str(len(expand(nodelist)))
-    out = {"FLASHCKPT_RDZV_HOST": first_host(nodelist), "FLASHCKPT_NNODES": nnodes,
+    spares = _spares(env, int(nnodes))
+    out = {"FLASHCKPT_RDZV_HOST": first_host(nodelist), "FLASHCKPT_NNODES": str(int(nnodes) - spares),
            "FLASHCKPT_JOB": job_name(env)}  # fmt: skip
     if env.get("SLURMD_NODENAME"):
         out["FLASHCKPT_NODE"] = env["SLURMD_NODENAME"]
+    if spares and int(env["SLURM_NODEID"]) >= int(nnodes) - spares:
+        out["FLASHCKPT_SPARE"] = "1"
     return out
+
+
+def _spares(env: Mapping[str, str], nodes: int) -> int:
+    """``FLASHCKPT_SPARES``: how many of the allocation's last nodes are spares (0 by default)."""
+    text = env.get("FLASHCKPT_SPARES", "0").strip() or "0"
+    if not text.isdigit() or int(text) >= nodes:
+        raise ConfigError(f"FLASHCKPT_SPARES={text!r} is not a count of spare nodes below the "
+                          f"allocation's {nodes} nodes: set it to 0..{nodes - 1}")  # fmt: skip
+    if int(text) and not env.get("SLURM_NODEID", "").isdigit():
+        raise ConfigError("FLASHCKPT_SPARES needs SLURM_NODEID (which node this is): run this "
+                          "under srun, one task a node")  # fmt: skip
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:

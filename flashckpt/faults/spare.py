@@ -172,6 +172,8 @@ class Spare:
 
         supervisor = RecoveringAgent.supervisor
         supervisor.standbys.count += int(self.args.nproc_per_node)  # one per rank of a node
+        script = self.args.training_script
+        supervisor.standbys.script = ["-m", script] if self.args.module else [script]
         supervisor.standbys.fill()
         self.agent = self._warm_agent()
         log.info("spare node %s of job %s: %d warm standbys, waiting for a node to be lost",

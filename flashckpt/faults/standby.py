@@ -10,15 +10,19 @@ launcher exiting) ends it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import runpy
 import sys
+from pathlib import Path
 
 READY_FD_ENV = "FLASHCKPT_STANDBY_READY_FD"
 WARM_ENV = "FLASHCKPT_STANDBY_WARM"  # more modules to import ahead, comma-separated
+SCRIPT_ENV = "FLASHCKPT_STANDBY_SCRIPT"  # the worker's command line (JSON): its imports warmed
 
 
 def warm() -> None:
@@ -38,6 +42,56 @@ def warm() -> None:
             importlib.import_module(name)
         except ImportError as exc:  # an optional part not installed: the script never needs it
             print(f"standby: {name} not warmed ({exc})", file=sys.stderr)
+    script = os.environ.pop(SCRIPT_ENV, "")
+    if script:
+        warm_script(json.loads(script))
+
+
+def script_imports(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the directory the script runs from, the modules it imports at its top level) for the
+    worker command line ``args`` (``script.py ...`` or ``-m module ...``, interpreter flags
+    first); only absolute imports, the ones a process can make before it has a rank."""
+    args = list(args)
+    while args and args[0].startswith("-") and args[0] != "-m":
+        args.pop(0)
+    if not args:
+        return None, []
+    if args[0] == "-m":
+        spec = importlib.util.find_spec(args[1]) if len(args) > 1 else None
+        path, where = (spec.origin if spec else None), os.getcwd()
+    else:
+        path = args[0]
+        where = os.path.dirname(os.path.abspath(path))
+    try:
+        tree = ast.parse(Path(path).read_text()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        return where, []
+    names: list[str] = []
+    for node in tree.body if tree else ():
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return where, [n for n in names if n != "__future__"]
+
+
+def warm_script(args: list[str]) -> None:
+    """Import what the training script imports at its top level, from where it runs: its own
+    modules and libraries are loaded before this process becomes a rank. A module that fails
+    to import here is left for the script to import (and fail on) as it would anyway."""
+    where, names = script_imports(args)
+    if where is None:
+        return
+    sys.path.insert(0, where)
+    try:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # e.g. it reads a rank's variables at import
+                print(f"standby: {name} (imported by the script) not warmed ({exc})",
+                      file=sys.stderr)  # fmt: skip
+    finally:
+        sys.path.remove(where)
 
 
 WARM = (
