@@ -122,8 +122,10 @@ def test_a_spare_with_nothing_to_take_exits_with_the_job(tmp_path, reference):
     run = cluster.finish()
     assert run.codes == [0, 0, 0], explain(run)
     assert run.digest == reference
-    assert any(e["kind"] == "spare_ready" for e in run.events[2]), explain(run)
+    (started,) = [e for e in run.events[2] if e["kind"] == "launcher_started"]
+    assert started["spare"] is True, started
     assert "job " in run.logs[2] and " is over" in run.logs[2], run.logs[2][-2000:]
+    assert not any(e["kind"] == "worker_started" for e in run.events[2]), explain(run)
 
 
 @pytest.mark.slow

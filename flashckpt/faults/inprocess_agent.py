@@ -97,6 +97,10 @@ class Standbys:
         os.close(read)
         return proc, warm
 
+    def warm(self) -> int:
+        """How many idle standbys are warm (their imports done)."""
+        return sum(_readable(read) for proc, read, _ in list(self.idle) if proc.poll() is None)
+
     def close(self) -> None:
         for proc, read, _ in self.idle:
             os.close(read)

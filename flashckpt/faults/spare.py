@@ -171,16 +171,21 @@ class Spare:
         from .inprocess_agent import RecoveringAgent
 
         supervisor = RecoveringAgent.supervisor
-        supervisor.standbys.count += int(self.args.nproc_per_node)  # one per rank of a node
+        # One standby a rank of a node while it waits; the node's usual spare standbys
+        # (FLASHCKPT_STANDBY) once it runs ranks (``Supervisor.adopt``).
+        self.standbys_after = supervisor.standbys.count
+        supervisor.standbys.count = int(self.args.nproc_per_node)
         script = self.args.training_script
         supervisor.standbys.script = ["-m", script] if self.args.module else [script]
         supervisor.standbys.fill()
         self.agent = self._warm_agent()
-        log.info("spare node %s of job %s: %d warm standbys, waiting for a node to be lost",
-                 self.name, self.job, supervisor.standbys.count)  # fmt: skip
-        self.events.record("spare_ready", standbys=supervisor.standbys.count)
         halt = threading.Event()
-        lost, silent = asyncio.run(wait_for_node(self.job, self.name, self.run_dir, halt))
+        threading.Thread(target=self._announce, args=(supervisor.standbys, halt), daemon=True,
+                         name="flashckpt-spare-warm").start()  # fmt: skip
+        try:
+            lost, silent = asyncio.run(wait_for_node(self.job, self.name, self.run_dir, halt))
+        finally:
+            halt.set()  # the standbys are taken from here on: no more looking at them
         if not lost:
             if self.agent is not None:
                 self.agent.kill()
@@ -196,6 +201,19 @@ class Spare:
             self.events.record("spare_failed", lost_node=lost, reason=str(exc)[:300])
             return self._become(lost)
         return self._supervise(supervisor, lost, target, told, silent)
+
+    def _announce(self, standbys: Any, halt: threading.Event) -> None:
+        """Say when every standby is warm (``spare_ready``): from then on a node taken costs no
+        start-up. (The spare is handed nodes from its first report, warm or not.)"""
+        began = time.monotonic()
+        while not halt.wait(0.2):
+            warm = standbys.warm()
+            if warm >= standbys.count or time.monotonic() - began > 120:
+                log.info("spare node %s of job %s: %d of %d standbys warm, waiting for a node to "
+                         "be lost", self.name, self.job, warm, standbys.count)  # fmt: skip
+                self.events.record("spare_ready", standbys=standbys.count, warm=warm,
+                                   seconds=round(time.monotonic() - began, 3))  # fmt: skip
+                return
 
     def _take(self, supervisor: Any, lost: str) -> int:
         """Hand each of ``lost``'s ranks to a standby in the job's next round; that round."""
@@ -229,6 +247,7 @@ class Spare:
             members[int(delta.get("LOCAL_RANK", len(members)))] = Member(rank, proc.pid, env, proc)
             self.events.record("replacement_started", rank=rank, round=target, pid=proc.pid,
                                warm=warm, spare=self.name)  # fmt: skip
+        supervisor.standbys.count = self.standbys_after
         supervisor.adopt(members, record["args"], int(record["world"]),
                          Recovery(target, time.monotonic(), sorted(ranks)))  # fmt: skip
         return target
@@ -298,6 +317,7 @@ class Spare:
             while True:
                 result = supervisor.monitor(lambda: failed, _Done())
                 if result.state == WorkerState.SUCCEEDED:
+                    supervisor.close()  # the idle standbys
                     return 0
                 if result.state == WorkerState.FAILED:
                     break
