@@ -196,7 +196,7 @@ class Spare:
         log.warning("spare %s takes the ranks of lost node %s", self.name, lost)
         try:
             target = self._take(supervisor, lost)
-        except FlashCkptError as exc:
+        except Exception as exc:  # the store out of reach too: the restart takes over
             log.error("spare %s cannot take node %s: %s", self.name, lost, exc)
             self.events.record("spare_failed", lost_node=lost, reason=str(exc)[:300])
             return self._become(lost)
@@ -207,7 +207,10 @@ class Spare:
         start-up. (The spare is handed nodes from its first report, warm or not.)"""
         began = time.monotonic()
         while not halt.wait(0.2):
-            warm = standbys.warm()
+            try:
+                warm = standbys.warm()
+            except (OSError, ValueError):  # a standby taken meanwhile (its pipe closed)
+                return
             if warm >= standbys.count or time.monotonic() - began > 120:
                 log.info("spare node %s of job %s: %d of %d standbys warm, waiting for a node to "
                          "be lost", self.name, self.job, warm, standbys.count)  # fmt: skip
@@ -234,19 +237,26 @@ class Spare:
         os.environ["FLASHCKPT_NODE"] = lost
         self.events = EventLog(self.events.path)
         self._start_agent()
-        members = {}
-        for rank, delta in sorted(ranks.items(), key=lambda x: int(x[1].get("LOCAL_RANK", 0))):
-            taken = supervisor.standbys.take()
-            if taken is None:
-                raise FlashCkptError(f"no warm standby left for rank {rank}")
-            proc, warm = taken
-            env = {**os.environ, **delta, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
-            proc.stdin.write(json.dumps({"env": env, "args": record["args"],
-                                         "cwd": os.getcwd()}) + "\n")  # fmt: skip
-            proc.stdin.close()
-            members[int(delta.get("LOCAL_RANK", len(members)))] = Member(rank, proc.pid, env, proc)
-            self.events.record("replacement_started", rank=rank, round=target, pid=proc.pid,
-                               warm=warm, spare=self.name)  # fmt: skip
+        members: dict[int, Member] = {}
+        try:
+            for rank, delta in sorted(ranks.items(), key=lambda x: int(x[1].get("LOCAL_RANK", 0))):
+                taken = supervisor.standbys.take()
+                if taken is None:
+                    raise FlashCkptError(f"no live standby left for rank {rank}")
+                proc, warm = taken
+                local = int(delta.get("LOCAL_RANK", len(members)))
+                env = {**os.environ, **delta, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
+                members[local] = Member(rank, proc.pid, env, proc)
+                proc.stdin.write(json.dumps({"env": env, "args": record["args"],
+                                             "cwd": os.getcwd()}) + "\n")  # fmt: skip
+                proc.stdin.close()
+                self.events.record("replacement_started", rank=rank, round=target, pid=proc.pid,
+                                   warm=warm, spare=self.name)  # fmt: skip
+        except BaseException:
+            for m in members.values():  # half a node must not join the round
+                m.replacement.kill()
+                m.replacement.wait()
+            raise
         supervisor.standbys.count = self.standbys_after
         supervisor.adopt(members, record["args"], int(record["world"]),
                          Recovery(target, time.monotonic(), sorted(ranks)))  # fmt: skip
