@@ -52,7 +52,8 @@ FLAG = "--spare"
 # What a rank's launch variables carry that belongs to the node that launched it.
 NODE_OWN = frozenset({"TORCHELASTIC_ERROR_FILE"})
 ORPHAN_S = 120.0  # a spare whose controller is silent this long exits: the job is gone
-AGENT_START_S = 5.0  # the warm agent's time to answer before the keeper looks after it
+AGENT_START_S = 5.0
+DEADLINE_MARGIN_S = 5.0  # a lost node's hand-over and its ranks' start, in the recovery deadline  # the warm agent's time to answer before the keeper looks after it
 
 
 def split_flag(argv: list[str]) -> tuple[list[str], bool]:
@@ -171,6 +172,13 @@ class Spare:
         from .inprocess_agent import RecoveringAgent
 
         supervisor = RecoveringAgent.supervisor
+        deadline = config.setting_float("recovery_deadline", None, 30.0, lo=1.0)
+        timeout = config.setting_float("node_timeout", None, 5.0, lo=0.1)
+        if deadline < timeout + DEADLINE_MARGIN_S:
+            log.warning("FLASHCKPT_RECOVERY_DEADLINE=%g is short for a spare: the healthy ranks "
+                        "wait in their round while a lost node is found (FLASHCKPT_NODE_TIMEOUT="
+                        "%g) and taken; give it at least %g s", deadline, timeout,
+                        timeout + DEADLINE_MARGIN_S)  # fmt: skip
         # One standby a rank of a node while it waits; the node's usual spare standbys
         # (FLASHCKPT_STANDBY) once it runs ranks (``Supervisor.adopt``).
         self.standbys_after = supervisor.standbys.count
