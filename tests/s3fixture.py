@@ -10,6 +10,7 @@ an S3 error (503 SlowDown by default), to exercise retries against real HTTP.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import http.client
 import logging
 import socket
@@ -110,6 +111,20 @@ class MotoS3:
         req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
         with urllib.request.urlopen(req, timeout=10) as reply:
             reply.read()
+
+    def date_back(self, bucket: str, seconds: float) -> int:
+        """Date every object of ``bucket`` ``seconds`` earlier in the server's own records (the
+        server runs in this process): an object store's API cannot set a date back, and a test
+        of a grace period must not wait it out. How many objects it dated back."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        found = s3_backends[DEFAULT_ACCOUNT_ID]["global"].buckets[bucket]
+        keys = [k for name in list(found.keys) for k in found.keys.getlist(name)]
+        parts = [p for upload in found.multiparts.values() for p in upload.parts.values()]
+        for key in keys + parts:  # objects, and the parts of unfinished multipart uploads
+            key.last_modified -= datetime.timedelta(seconds=seconds)
+        return len(keys) + len(parts)
 
     def client(self):  # type: ignore[no-untyped-def]
         """A plain boto3 client on this server, for test set-up and inspection (made once)."""

@@ -51,7 +51,7 @@ ENV = "FLASHCKPT_SPARE"
 FLAG = "--spare"
 # What a rank's launch variables carry that belongs to the node that launched it.
 NODE_OWN = frozenset({"TORCHELASTIC_ERROR_FILE"})
-ORPHAN_S = 120.0  # a spare whose controller is silent this long exits: the job is gone
+ORPHAN_S = 600.0  # a spare whose controller is silent this long exits: the job is gone
 AGENT_START_S = 5.0
 DEADLINE_MARGIN_S = 5.0  # a lost node's hand-over and its ranks' start, in the recovery deadline  # the warm agent's time to answer before the keeper looks after it
 
