@@ -446,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
             code = Spare(args, argv, job, EventLog(events.path), launch_env, claim).run()
         finally:
             recovery_store.close()
+            control.file_path(run_dir, job).unlink(missing_ok=True)
+            control.launcher_path(run_dir, job).unlink(missing_ok=True)
         events.record("launcher_exited", ok=code == 0, seconds=time.monotonic() - began)
         sys.exit(code)
     culprits = None
