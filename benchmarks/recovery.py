@@ -20,6 +20,10 @@ With ``--repeat N``, instead: every case N times in-process, and how many runs p
 finished in-process, only the faulty rank replaced, the weights equal to an undisturbed run's)
 with the p50 and p90 of the time until every rank trained again.
 
+With ``--lost-node``, instead: a node lost whole (SIGKILLed, its memory wiped), taken in-process
+by a spare node and, side by side, by today's full restart (``recovery_node.py``, with the
+phases: detection, round, restore).
+
 With ``--effective MINUTES``, instead: one run of that length per policy, a fault every
 ``--every`` seconds (kill of rank 1, hang of rank 3, exception in rank 2, in turn) on steps
 of ``--step-ms`` of simulated compute, and each run's ``flashckpt report``: the effective
@@ -250,7 +254,15 @@ def main() -> None:
         action="store_true",
         help="the kill case on NCCL: one node of one rank on GPU 0 (rank 0 killed)",
     )
+    p.add_argument("--lost-node", action="store_true",
+                   help="instead: a node lost whole, taken by a spare node and by a full restart "
+                        "(benchmarks/recovery_node.py, --repeat runs, default 5)")  # fmt: skip
     args = p.parse_args()
+    if args.lost_node:
+        import recovery_node
+
+        sys.argv = [sys.argv[0], "--repeat", str(args.repeat or 5)]
+        return recovery_node.main()
     cases = args.cases.split(",")
     if args.nccl:
         global NODES, NPROC

@@ -232,6 +232,28 @@ class Supervisor:
         except Exception:
             return False
 
+    def finished_together(self, timeout: float) -> None:
+        """The exit barrier of a worker group a spare took a node of (TorchElastic's waits
+        for the lost node's launcher): count this node finished in the recovery store and wait
+        up to ``timeout`` for every node (the world over this node's ranks), so that the node
+        serving the store exits last and nobody loses it while finishing."""
+        if not self.members:
+            return
+        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}/finished"
+        nodes = max(1, self.world // len(self.members))
+        deadline = time.monotonic() + timeout
+        try:
+            done = int(self.store.add(key, 1))
+            while done < nodes and time.monotonic() < deadline:
+                time.sleep(0.1)
+                done = int(self.store.add(key, 0))
+        except Exception as exc:  # the store gone: the others have finished or cannot
+            log.info("exit barrier: %s", exc)
+            return
+        if done < nodes:
+            log.warning("exit barrier: %d of %d nodes finished within %.0fs", done, nodes,
+                        timeout)  # fmt: skip
+
     def stop(self) -> None:
         """Kill the replacements (TorchElastic stops the workers it started)."""
         for m in self.members.values():
@@ -404,10 +426,12 @@ class RecoveringAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         # Every node's launcher waits here for all the others; a node taken by a spare has no
-        # launcher in the rendezvous any more. Every node sees the same mark, so all skip it.
+        # launcher in the rendezvous any more, and the spare waits in the recovery store
+        # instead. Every node sees the same mark, so all wait there.
         if self.supervisor.node_replaced():
-            log.info("a spare node runs a lost node's ranks: not waiting for every node's "
-                     "launcher to finish")  # fmt: skip
+            log.info("a spare node runs a lost node's ranks: waiting for every node to finish "
+                     "in the recovery store")  # fmt: skip
+            self.supervisor.finished_together(self._exit_barrier_timeout)
             return
         super()._exit_barrier()
 

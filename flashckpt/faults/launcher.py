@@ -449,7 +449,11 @@ def main(argv: list[str] | None = None) -> None:
             control.file_path(run_dir, job).unlink(missing_ok=True)
             control.launcher_path(run_dir, job).unlink(missing_ok=True)
         events.record("launcher_exited", ok=code == 0, seconds=time.monotonic() - began)
-        sys.exit(code)
+        # Not through the interpreter's teardown: a daemon thread of its watch in a store call
+        # then (the store served elsewhere may be gone) takes the process down with SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     culprits = None
     if restart_policy == "in-process":
         from .culprit import JobCulprit

@@ -53,7 +53,8 @@ FLAG = "--spare"
 NODE_OWN = frozenset({"TORCHELASTIC_ERROR_FILE"})
 ORPHAN_S = 600.0  # a spare whose controller is silent this long exits: the job is gone
 AGENT_START_S = 5.0
-DEADLINE_MARGIN_S = 5.0  # a lost node's hand-over and its ranks' start, in the recovery deadline  # the warm agent's time to answer before the keeper looks after it
+DEADLINE_MARGIN_S = 5.0
+EXIT_BARRIER_S = 300.0  # as TorchElastic's: how long a finished node waits for the others  # a lost node's hand-over and its ranks' start, in the recovery deadline  # the warm agent's time to answer before the keeper looks after it
 
 
 def split_flag(argv: list[str]) -> tuple[list[str], bool]:
@@ -335,6 +336,7 @@ class Spare:
             while True:
                 result = supervisor.monitor(lambda: failed, _Done())
                 if result.state == WorkerState.SUCCEEDED:
+                    supervisor.finished_together(EXIT_BARRIER_S)  # as every node's launcher
                     supervisor.close()  # the idle standbys
                     return 0
                 if result.state == WorkerState.FAILED:
