@@ -204,8 +204,10 @@ def test_a_second_node_lost_while_the_first_is_taken_ends_in_one_restart(tmp_pat
     run = cluster.finish(300)
     assert run.codes == [0, -9, 0, 0], explain(run)
     lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
-    assert [e["action"] for e in lost[:2]] == ["replace", "kill"], lost
-    assert "0 free spare" in lost[1]["fallback"], lost
+    assert lost[0]["action"] == "replace", lost
+    # Node 2 is found lost (no spare left: the job restarts whole, and says why), unless it
+    # is back before its node timeout: then the round's deadline ends the recovery instead.
+    assert all(e["action"] == "kill" and "0 free spare" in e["fallback"] for e in lost[1:]), lost
     fallbacks = [e for e in run.events[0] if e["kind"] == "inprocess_fallback"]
     assert len(fallbacks) <= 1, fallbacks
     assert run.digest == reference3
