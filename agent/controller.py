@@ -39,6 +39,7 @@ from flashckpt.errors import ConfigError, FlashCkptError
 from flashckpt.faults import control
 from flashckpt.faults.events import EventLog
 
+from . import spares
 from .commits import Coverage
 from .common_steps import held_steps
 from .job_view import JobState, Node, Seen, short_of_world
@@ -82,7 +83,7 @@ class Controller:
         if r.spare:  # runs nothing: heard only to be handed a lost node, or told it is over
             return pb.ReportReply(heartbeat_s=self.heartbeat, seq=r.seq, take_node=node.taking,
                                   lost_silent_s=node.lost_silent_s,
-                                  job_over=not node.taking and _over(job))  # fmt: skip
+                                  job_over=not node.taking and spares.job_over(job))  # fmt: skip
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.peer_address, node.failure_domain = r.peer_address, r.failure_domain
@@ -160,9 +161,7 @@ class Controller:
         now = time.monotonic() if now is None else now
         for name, job in self.jobs.items():
             lost, short = [], None
-            for node_name in [k for k, n in job.nodes.items()
-                              if n.spare and now - n.last_seen > self.node_timeout]:  # fmt: skip
-                del job.nodes[node_name]
+            spares.forget_gone(job, now, self.node_timeout)
             for node_name, node in job.nodes.items():
                 if now - node.last_seen > self.node_timeout:
                     job.common.drop(node_name)  # what it holds is not known any more
@@ -186,9 +185,9 @@ class Controller:
             ranks = sorted({s.worker.rank for _, n in fresh for s in job.nodes[n].workers.values()})
             first = min(job.nodes[n].last_seen for _, n in fresh)
             silent = round(now - first, 3)
-            spares = self._spares_for(name, job, [n for _, n in fresh], silent, now)
+            taking = self._spares_for(name, job, [n for _, n in fresh], silent, now)
             self._detect(name, job, "node_lost", [n for _, n in fresh], -1, fresh[0][0],
-                         silent_s=silent, ranks=ranks, **spares)  # fmt: skip
+                         silent_s=silent, ranks=ranks, **taking)  # fmt: skip
 
     def _spares_for(self, name: str, job: JobState, lost: list[str], silent: float,
                     now: float) -> dict:  # fmt: skip
@@ -200,8 +199,7 @@ class Controller:
         # Heard within the last heartbeat and a half (a spare reports twice a heartbeat): a spare
         # lost with the nodes it would take must not be handed one.
         fresh = min(self.node_timeout, 1.5 * self.heartbeat)
-        free = sorted(k for k, n in job.nodes.items()
-                      if n.spare and not n.taking and now - n.last_seen <= fresh)  # fmt: skip
+        free = spares.free(job, now, fresh)
         if len(free) < len(lost):
             return {"fallback": f"{len(lost)} node(s) lost and {len(free)} free spare node(s) "
                                 "(flashckpt-run --spare): every worker restarts"}  # fmt: skip
@@ -224,10 +222,10 @@ class Controller:
         action = ("kill" if kills else "replace" if "spares" in detail
                   else "recover" if self.policy == "in-process" else "notify")  # fmt: skip
         job.round_failed_at = max(job.round_failed_at, failed_at)
-        spares = detail.get("spares") or {}
+        taken = detail.get("spares") or {}
         job.detections.append((time.monotonic(), pb.Detection(
             kind=kind, node=nodes[0], rank=rank, action=action,
-            spare=", ".join(spares.values()))))  # fmt: skip
+            spare=", ".join(taken.values()))))  # fmt: skip
         del job.detections[:-_KEPT_DETECTIONS]
         ordered = {}
         if action == "kill":
@@ -247,8 +245,8 @@ class Controller:
                   f"killing {sum(map(len, ordered.values()))} workers of the failed round on "
                   f"{len(ordered)} nodes" if ordered
                   else "nothing left to kill" if action == "kill"
-                  else f"spare node(s) {', '.join(spares.values())} take it, in-process"
-                  if spares else f"policy {self.policy}: no kill")  # fmt: skip
+                  else f"spare node(s) {', '.join(taken.values())} take it, in-process"
+                  if taken else f"policy {self.policy}: no kill")  # fmt: skip
         if "fallback" in detail:
             log.warning("job %s: %s", name, detail["fallback"])
         lost = {"nodes": nodes} if kind == "node_lost" else {}
@@ -295,14 +293,6 @@ class Controller:
     def _record(self, kind: str, **fields: object) -> None:
         if self.events is not None:
             self.events.record(kind, **fields)
-
-
-def _over(job: JobState) -> bool:
-    """Whether the job has run and ended: every worker of every node closed its Checkpointer
-    (a killed or crashed one has not; a restart's new ones run), and no node is lost."""
-    nodes = [n for n in job.nodes.values() if not n.spare]
-    return (any(n.ran for n in nodes) and not any(n.lost for n in nodes)
-            and all(s.worker.phase == "closed" for n in nodes for s in n.workers.values()))  # fmt: skip
 
 
 _HANG_UP = pb.ReportReply()  # the controller stops: a stream's last word (never sent)
