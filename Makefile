@@ -10,7 +10,7 @@ TORCH_PIP_ARGS ?=
 
 .PHONY: setup demo test lint proto bench clean
 
-$(STAMP): pyproject.toml setup.py flashckpt/_verified_copy.c
+$(STAMP): pyproject.toml setup.py flashckpt/_verified_copy.c flashckpt/_crc32c.h
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first: a bare torch requirement would pull the CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)

@@ -12,6 +12,7 @@ setup(
         Extension(
             "flashckpt._verified_copy",
             ["flashckpt/_verified_copy.c"],
+            depends=["flashckpt/_crc32c.h"],
             extra_compile_args=["-O2"],
             optional=True,
         )  # fmt: skip

@@ -17,91 +17,13 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define HAVE_CRC_INSN 1
-#include <immintrin.h>
-#else
-#define HAVE_CRC_INSN 0
-#endif
-
-#define POLY 0x82f63b78u /* Castagnoli, bit-reflected */
-#define STREAM 4096      /* bytes of each of the three streams the crc interleaves */
-#define BLOCK (128u << 10) /* bytes copied, then checked in cache, at a time */
-
-/* a * b modulo the polynomial, in the reflected representation (x^0 is the top bit). */
-static uint32_t gf2_mul(uint32_t a, uint32_t b) {
-    uint32_t product = 0;
-    for (uint32_t bit = 1u << 31; bit; bit >>= 1) {
-        if (a & bit)
-            product ^= b;
-        b = (b & 1) ? (b >> 1) ^ POLY : b >> 1;
-    }
-    return product;
-}
-
-/* x^(8 n) modulo the polynomial: what shifting a crc register past n zero bytes multiplies by. */
-static uint32_t x_pow_8n(uint64_t n) {
-    uint32_t result = 1u << 31, square = 1u << 23; /* x^0 and x^8 */
-    while (n) {
-        if (n & 1)
-            result = gf2_mul(square, result);
-        square = gf2_mul(square, square);
-        n >>= 1;
-    }
-    return result;
-}
-
-static uint32_t shift_one, shift_two; /* past one stream of a block, and past two */
-static int have_insn;
-
-#if HAVE_CRC_INSN
-__attribute__((target("sse4.2"))) static uint32_t crc_only(const uint8_t *p, size_t n,
-                                                         uint32_t reg) {
-    uint64_t a = reg;
-    while (n >= 3 * STREAM) {
-        uint64_t b = 0, c = 0;
-        for (size_t i = 0; i < STREAM; i += 8) {
-            uint64_t x, y, z;
-            memcpy(&x, p + i, 8);
-            memcpy(&y, p + STREAM + i, 8);
-            memcpy(&z, p + 2 * STREAM + i, 8);
-            a = _mm_crc32_u64(a, x);
-            b = _mm_crc32_u64(b, y);
-            c = _mm_crc32_u64(c, z);
-        }
-        a = gf2_mul(shift_two, (uint32_t)a) ^ gf2_mul(shift_one, (uint32_t)b) ^ (uint32_t)c;
-        p += 3 * STREAM;
-        n -= 3 * STREAM;
-    }
-    for (; n >= 8; n -= 8, p += 8) {
-        uint64_t x;
-        memcpy(&x, p, 8);
-        a = _mm_crc32_u64(a, x);
-    }
-    uint32_t r = (uint32_t)a;
-    for (; n; n--, p++)
-        r = _mm_crc32_u8(r, *p);
-    return r;
-}
-
-
-/* Copy n bytes from src to dst and return the crc32c register after them (no inversion):
- * a block at a time, copied by memcpy at the speed of memory, then checked where it landed
- * while it is still in the core's cache. */
-static uint32_t copy_crc(uint8_t *dst, const uint8_t *src, size_t n, uint32_t reg) {
-    for (size_t p = 0; p < n; p += BLOCK) {
-        size_t m = n - p < BLOCK ? n - p : BLOCK;
-        memcpy(dst + p, src + p, m);
-        reg = crc_only(dst + p, m, reg);
-    }
-    return reg;
-}
-#endif
+#include "_crc32c.h"
 
 /* The four int64 columns of a run of chunks, checked to hold rows [first, last). */
 typedef struct {
@@ -145,120 +67,57 @@ static int columns(PyObject *const *args, Columns *c, Py_ssize_t last) {
     return 0;
 }
 
-/* The arguments every call over a run of chunks starts with: ``nargs`` must be ``expected``,
- * the first four are the columns and the next two the rows [first, last). 0, or -1 with an
- * exception set (nothing to release then). */
-static int run_of(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected, const char *name,
-                  Columns *c, Py_ssize_t *first, Py_ssize_t *last) {
-    if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, expected);
-        return -1;
-    }
-    *first = PyLong_AsSsize_t(args[4]);
-    *last = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred())
-        return -1;
-    if (*first < 0 || *last < *first) {
-        PyErr_SetString(PyExc_ValueError, "rows out of order");
-        return -1;
-    }
-    if (!have_insn) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
-        return -1;
-    }
-    return columns(args, c, *last);
-}
+enum { COPY, CHECK, READ }; /* what a run does to each chunk */
 
-/* copy_checked(to, frm, size, want, first, last, src) -> (row, crc) of the first chunk
- * whose crc32c is not the one expected, or (-1, 0). ``src``: the source's address. */
-static PyObject *copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Columns c;
-    Py_ssize_t first, last;
-    unsigned long long src = nargs == 7 ? PyLong_AsUnsignedLongLong(args[6]) : 0;
-    if (PyErr_Occurred() || run_of(args, nargs, 7, "copy_checked", &c, &first, &last) < 0)
-        return NULL;
-    const int64_t *to = c.to.buf, *frm = c.frm.buf, *size = c.size.buf, *want = c.want.buf;
-    Py_ssize_t bad = -1;
-    uint32_t found = 0;
+/* A run of chunks and what to do with them. */
+typedef struct {
+    int kind;
+    const int64_t *to, *frm, *size, *want;
+    uint64_t src; /* COPY: the source's address */
+    int fd;       /* READ: the file */
+} Rows;
+
+/* What a run of rows came to: the first chunk found bad (-1: none) and its crc, or a file
+ * that ended early, or a read's errno. */
+typedef struct {
+    Py_ssize_t bad;
+    uint32_t found;
+    int short_read, error;
+} Outcome;
+
 #if HAVE_CRC_INSN
-    Py_BEGIN_ALLOW_THREADS
+/* COPY and CHECK: each chunk copied and checked in one pass, or checked where it lies. */
+static Outcome copy_rows(const Rows *r, Py_ssize_t first, Py_ssize_t last) {
+    Outcome out = {-1, 0, 0, 0};
     for (Py_ssize_t j = first; j < last; j++) {
-        uint32_t r = ~copy_crc((uint8_t *)(uintptr_t)to[j],
-                               (const uint8_t *)(uintptr_t)(src + (uint64_t)frm[j]),
-                               (size_t)size[j], 0xffffffffu);
-        if (want[j] >= 0 && r != (uint32_t)want[j]) {
-            bad = j;
-            found = r;
+        if (r->kind == CHECK && r->want[j] < 0)
+            continue;
+        uint8_t *at = (uint8_t *)(uintptr_t)r->to[j];
+        uint32_t crc = r->kind == COPY
+                           ? ~copy_crc(at, (const uint8_t *)(uintptr_t)(r->src + (uint64_t)r->frm[j]),
+                                       (size_t)r->size[j], 0xffffffffu)
+                           : ~crc_any(at, (size_t)r->size[j], 0xffffffffu);
+        if (r->want[j] >= 0 && crc != (uint32_t)r->want[j]) {
+            out.bad = j;
+            out.found = crc;
             break;
         }
     }
-    Py_END_ALLOW_THREADS
-#endif
-    release(&c, 4);
-    return Py_BuildValue("(nI)", bad, found);
-}
-
-#if HAVE_CRC_INSN
-/* The first of rows [first, last) whose chunk, in place at ``to``, does not have the crc32c
- * expected (its crc in ``found``), or -1; rows expecting -1 are not checked. */
-static Py_ssize_t first_bad(const int64_t *to, const int64_t *size, const int64_t *want,
-                            Py_ssize_t first, Py_ssize_t last, uint32_t *found) {
-    for (Py_ssize_t j = first; j < last; j++) {
-        if (want[j] < 0)
-            continue;
-        uint32_t r = ~crc_only((const uint8_t *)(uintptr_t)to[j], (size_t)size[j], 0xffffffffu);
-        if (r != (uint32_t)want[j]) {
-            *found = r;
-            return j;
-        }
-    }
-    return -1;
-}
-#endif
-
-/* checked_at(to, frm, size, want, first, last) -> like copy_checked, for chunks already in
- * place at their ``to`` addresses (``frm`` is not read). */
-static PyObject *checked_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Columns c;
-    Py_ssize_t first, last;
-    if (run_of(args, nargs, 6, "checked_at", &c, &first, &last) < 0)
-        return NULL;
-    const int64_t *to = c.to.buf, *size = c.size.buf, *want = c.want.buf;
-    Py_ssize_t bad = -1;
-    uint32_t found = 0;
-#if HAVE_CRC_INSN
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad(to, size, want, first, last, &found);
-    Py_END_ALLOW_THREADS
-#endif
-    release(&c, 4);
-    return Py_BuildValue("(nI)", bad, found);
+    return out;
 }
 
 #define BATCH_IOV 512           /* chunks read by one preadv */
 #define BATCH_BYTES (1u << 20)  /* bytes read by one preadv, then checked while in cache */
 #define GAP_MAX 4096            /* bytes between two chunks read past into scratch */
 
-/* read_checked(to, frm, size, want, first, last, fd) -> (row, crc, short): read each chunk's
- * bytes [frm, frm + size) of the file ``fd`` straight into its target, in preadv batches of
- * about a MiB, and check each one's crc32c while the batch is still in cache. ``row`` is
- * the first chunk whose crc is not the one expected (-1: none); ``short`` is 1 where the
- * file ended before a chunk did. Read errors raise OSError. */
-static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Columns c;
-    Py_ssize_t first, last;
-    int fd = nargs == 7 ? (int)PyLong_AsLong(args[6]) : -1;
-    if (PyErr_Occurred() || run_of(args, nargs, 7, "read_checked", &c, &first, &last) < 0)
-        return NULL;
-    const int64_t *to = c.to.buf, *frm = c.frm.buf, *size = c.size.buf, *want = c.want.buf;
-    Py_ssize_t bad = -1;
-    uint32_t found = 0;
-    int short_read = 0, error = 0;
-#if HAVE_CRC_INSN
-    static uint8_t scratch[GAP_MAX];
-    Py_BEGIN_ALLOW_THREADS
+/* READ: each chunk's bytes [frm, frm + size) of the file read straight into its target, in
+ * preadv batches of about a MiB, each chunk checked while the batch is still in cache. */
+static Outcome read_rows(const Rows *r, Py_ssize_t first, Py_ssize_t last) {
+    static _Thread_local uint8_t scratch[GAP_MAX];
+    const int64_t *to = r->to, *frm = r->frm, *size = r->size;
+    Outcome out = {-1, 0, 0, 0};
     Py_ssize_t j = first;
-    while (j < last && bad < 0 && !short_read && !error) {
+    while (j < last) {
         /* One batch: consecutive chunks whose gaps are small, read by one preadv. */
         struct iovec iov[BATCH_IOV];
         int n = 0;
@@ -279,16 +138,16 @@ static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t 
         int64_t done = 0;
         int k = 0;
         while (done < bytes) {
-            ssize_t got = preadv(fd, iov + k, n - k, (off_t)(start + done));
+            ssize_t got = preadv(r->fd, iov + k, n - k, (off_t)(start + done));
             if (got < 0) {
                 if (errno == EINTR)
                     continue;
-                error = errno;
-                break;
+                out.error = errno;
+                return out;
             }
             if (got == 0) {
-                short_read = 1;
-                break;
+                out.short_read = 1;
+                return out;
             }
             done += got;
             while (k < n && (size_t)got >= iov[k].iov_len) {
@@ -300,19 +159,181 @@ static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t 
                 iov[k].iov_len -= (size_t)got;
             }
         }
-        if (error || short_read)
-            break;
-        bad = first_bad(to, size, want, j, end, &found);
+        Rows check = *r;
+        check.kind = CHECK;
+        out = copy_rows(&check, j, end);
+        if (out.bad >= 0)
+            return out;
         j = end;
     }
+    return out;
+}
+
+static Outcome run_rows(const Rows *r, Py_ssize_t first, Py_ssize_t last) {
+    return r->kind == READ ? read_rows(r, first, last) : copy_rows(r, first, last);
+}
+#endif
+
+/* A run shared out over threads: the OpenMP team torch computes with, when the process has
+ * one. Its threads spin for a while after each of torch's parallel ops before they sleep;
+ * a pool of other threads would wait for a core meanwhile (on a few cores the restore then
+ * ran a third slower right after a training step), the team's own threads take the work at
+ * once. Found by name in the process (torch loads its OpenMP runtime for every library to
+ * see); a process without one runs the shares on the calling thread, and Python spreads
+ * them over its own workers instead (``team()`` says which). */
+#define SHARES_MAX 64
+
+typedef struct {
+    const Rows *rows;
+    Py_ssize_t cuts[SHARES_MAX + 1];
+    Outcome out[SHARES_MAX];
+    int shares;
+    int next; /* the next share a thread takes */
+} Team;
+
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel;
+static int team_forbidden; /* set in a forked child: its parent's team did not come along */
+
+static gomp_parallel_fn team_entry(void) {
+    if (!gomp_parallel && !team_forbidden)
+        gomp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    return team_forbidden ? NULL : gomp_parallel;
+}
+
+#if HAVE_CRC_INSN
+static void team_body(void *arg) {
+    Team *t = arg;
+    for (;;) { /* however many threads the team gives, every share is taken once */
+        int s = __atomic_fetch_add(&t->next, 1, __ATOMIC_RELAXED);
+        if (s >= t->shares)
+            return;
+        t->out[s] = run_rows(t->rows, t->cuts[s], t->cuts[s + 1]);
+    }
+}
+
+/* Rows [first, last) cut into ``shares`` runs of about equal bytes, run by that many threads;
+ * the outcome of the first run (in row order) that found something. */
+static Outcome run_shared(const Rows *r, Py_ssize_t first, Py_ssize_t last, int threads) {
+    Team *t = PyMem_RawCalloc(1, sizeof(Team));
+    if (!t) { /* no memory for the bookkeeping: one thread does it all */
+        return run_rows(r, first, last);
+    }
+    int64_t total = 0, sum = 0;
+    for (Py_ssize_t j = first; j < last; j++)
+        total += r->size[j];
+    t->rows = r;
+    t->shares = threads < SHARES_MAX ? threads : SHARES_MAX;
+    t->cuts[0] = first;
+    Py_ssize_t j = first;
+    for (int s = 1; s < t->shares; s++) {
+        int64_t goal = (int64_t)((double)total * s / t->shares);
+        while (j < last && sum + r->size[j] <= goal)
+            sum += r->size[j++];
+        t->cuts[s] = j;
+    }
+    t->cuts[t->shares] = last;
+    gomp_parallel_fn parallel = team_entry();
+    if (parallel && t->shares > 1)
+        parallel(team_body, t, (unsigned)t->shares, 0);
+    else
+        team_body(t);
+    Outcome out = {-1, 0, 0, 0};
+    for (int s = 0; s < t->shares; s++) {
+        Outcome *o = &t->out[s];
+        if (o->error || o->short_read || o->bad >= 0) {
+            out = *o;
+            break;
+        }
+    }
+    PyMem_RawFree(t);
+    return out;
+}
+#endif
+
+/* run_of: the arguments every call over a run of chunks takes: the four columns, the rows
+ * [first, last), then ``extra`` more (the source's address, the file), then optionally the
+ * threads to share the rows over (default 1). Runs them without the GIL. NULL with an
+ * exception set where they are wrong. */
+static int rows_of(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t extra, const char *name,
+                   Columns *c, Py_ssize_t *first, Py_ssize_t *last, int *threads) {
+    if (nargs != 6 + extra && nargs != 7 + extra) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd or %zd arguments", name, 6 + extra,
+                     7 + extra);
+        return -1;
+    }
+    *first = PyLong_AsSsize_t(args[4]);
+    *last = PyLong_AsSsize_t(args[5]);
+    long n = nargs == 7 + extra ? PyLong_AsLong(args[6 + extra]) : 1;
+    if (PyErr_Occurred())
+        return -1;
+    if (*first < 0 || *last < *first) {
+        PyErr_SetString(PyExc_ValueError, "rows out of order");
+        return -1;
+    }
+    if (n < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be at least 1");
+        return -1;
+    }
+    *threads = n < SHARES_MAX ? (int)n : SHARES_MAX;
+    if (!have_insn) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
+        return -1;
+    }
+    return columns(args, c, *last);
+}
+
+static PyObject *run_call(PyObject *const *args, Py_ssize_t nargs, int kind, const char *name) {
+    Py_ssize_t extra = kind == CHECK ? 0 : 1;
+    Columns c;
+    Py_ssize_t first, last;
+    int threads;
+    Rows r = {.kind = kind, .fd = -1};
+    if (kind == COPY && nargs >= 7)
+        r.src = PyLong_AsUnsignedLongLong(args[6]);
+    if (kind == READ && nargs >= 7)
+        r.fd = (int)PyLong_AsLong(args[6]);
+    if (PyErr_Occurred() || rows_of(args, nargs, extra, name, &c, &first, &last, &threads) < 0)
+        return NULL;
+    r.to = c.to.buf;
+    r.frm = c.frm.buf;
+    r.size = c.size.buf;
+    r.want = c.want.buf;
+    Outcome out = {-1, 0, 0, 0};
+#if HAVE_CRC_INSN
+    Py_BEGIN_ALLOW_THREADS
+    out = threads > 1 ? run_shared(&r, first, last, threads) : run_rows(&r, first, last);
     Py_END_ALLOW_THREADS
 #endif
     release(&c, 4);
-    if (error) {
-        errno = error;
+    if (out.error) {
+        errno = out.error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    return Py_BuildValue("(nIi)", bad, found, short_read);
+    if (kind == READ)
+        return Py_BuildValue("(nIi)", out.bad, out.found, out.short_read);
+    return Py_BuildValue("(nI)", out.bad, out.found);
+}
+
+/* copy_checked(to, frm, size, want, first, last, src[, threads]) -> (row, crc) of the first
+ * chunk whose crc32c is not the one expected, or (-1, 0). ``src``: the source's address. */
+static PyObject *copy_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return run_call(args, nargs, COPY, "copy_checked");
+}
+
+/* checked_at(to, frm, size, want, first, last[, threads]) -> like copy_checked, for chunks
+ * already in place at their ``to`` addresses (``frm`` is not read); rows expecting -1 are
+ * not checked. */
+static PyObject *checked_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return run_call(args, nargs, CHECK, "checked_at");
+}
+
+/* read_checked(to, frm, size, want, first, last, fd[, threads]) -> (row, crc, short): read
+ * each chunk's bytes [frm, frm + size) of the file ``fd`` straight into its target, checked
+ * there. ``row`` is the first chunk whose crc is not the one expected (-1: none); ``short``
+ * is 1 where the file ended before a chunk did. Read errors raise OSError. */
+static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return run_call(args, nargs, READ, "read_checked");
 }
 
 /* copy_crc(dst, src, n, value) -> copy n bytes from address src to address dst and return
@@ -364,7 +385,7 @@ static PyObject *crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint32_t r = (uint32_t)value;
 #if HAVE_CRC_INSN
     Py_BEGIN_ALLOW_THREADS
-    r = ~crc_only(view.buf, (size_t)view.len, ~r);
+    r = ~crc_any(view.buf, (size_t)view.len, ~r);
     Py_END_ALLOW_THREADS
 #endif
     PyBuffer_Release(&view);
@@ -372,6 +393,47 @@ static PyObject *crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *available(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_insn); }
+
+/* team() -> whether runs of chunks given threads share them over torch's OpenMP team. */
+static PyObject *team(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(team_entry() != NULL);
+}
+
+/* forbid_team() -> None: never use the team again (a forked child: its threads stayed behind). */
+static PyObject *forbid_team(PyObject *self, PyObject *unused) {
+    team_forbidden = 1;
+    Py_RETURN_NONE;
+}
+
+/* kernel(name=None) -> the crc32c kernel in use ("fold" or "insn"), switched to ``name``
+ * first where given (tests run both on a CPU that has both). */
+static PyObject *kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "kernel takes an optional name");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        const char *name = PyUnicode_AsUTF8(args[0]);
+        if (!name)
+            return NULL;
+        if (strcmp(name, "fold") == 0 && have_fold)
+            use_fold = 1;
+        else if (strcmp(name, "insn") == 0 && have_insn)
+            use_fold = 0;
+        else {
+            PyErr_Format(PyExc_ValueError, "no crc32c kernel %R on this CPU", args[0]);
+            return NULL;
+        }
+    }
+    return PyUnicode_FromString(!have_insn ? "none" : use_fold ? "fold" : "insn");
+}
+
+/* kernels() -> the crc32c kernels this CPU can run, fastest first. */
+static PyObject *kernels(PyObject *self, PyObject *unused) {
+    if (have_fold)
+        return Py_BuildValue("[ss]", "fold", "insn");
+    return have_insn ? Py_BuildValue("[s]", "insn") : PyList_New(0);
+}
 
 static PyMethodDef methods[] = {
     {"copy_checked", (PyCFunction)(void (*)(void))copy_checked, METH_FASTCALL,
@@ -384,6 +446,11 @@ static PyMethodDef methods[] = {
      "Copy bytes between addresses and return their crc32c."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c, METH_FASTCALL, "crc32c of a buffer."},
     {"available", available, METH_NOARGS, "Whether this CPU has the crc32c instruction."},
+    {"team", team, METH_NOARGS, "Whether shared runs use torch's OpenMP team."},
+    {"forbid_team", forbid_team, METH_NOARGS, "Never use the OpenMP team (a forked child)."},
+    {"kernel", (PyCFunction)(void (*)(void))kernel, METH_FASTCALL,
+     "The crc32c kernel in use, switched first where a name is given."},
+    {"kernels", kernels, METH_NOARGS, "The crc32c kernels this CPU can run."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -392,13 +459,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__verified_copy(void) {
-    shift_one = x_pow_8n(STREAM);
-    shift_two = x_pow_8n(2 * STREAM);
-#if HAVE_CRC_INSN
-    __builtin_cpu_init();
-    have_insn = __builtin_cpu_supports("sse4.2");
-#else
-    have_insn = 0;
-#endif
+    crc_init();
     return PyModule_Create(&module);
 }

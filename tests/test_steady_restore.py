@@ -38,14 +38,17 @@ class Spy:
         monkeypatch.setattr(steady_load, "producer", spy)
 
 
-@pytest.fixture(params=["compiled", "python"])
+@pytest.fixture(params=["compiled", "compiled-pool", "python"])
 def copy_path(request, monkeypatch):
-    """Each chunk copied and checked by the compiled copy, or from Python where it is not
-    built: both must land the same bytes and refuse the same corrupt ones."""
+    """Each chunk copied and checked by the compiled copy (on torch's OpenMP team, or on the
+    restore workers where the process has no team), or from Python where it is not built:
+    all must land the same bytes and refuse the same corrupt ones."""
     if request.param == "python":
         monkeypatch.setattr(entry_copy, "_native", None)
     elif entry_copy._native is None:
         pytest.skip("the compiled verified copy is not built here (no compiler, not x86-64)")
+    elif request.param == "compiled-pool":
+        monkeypatch.setattr(entry_copy._native, "team", lambda: False)
     return request.param
 
 

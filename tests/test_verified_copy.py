@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import platform
 import random
+import select
 import shutil
+import signal
 
 import crc32c
 import numpy as np
@@ -31,9 +33,29 @@ def test_the_compiled_copy_is_built_where_it_can_be():
 needs_native = pytest.mark.skipif(native is None, reason="the compiled verified copy is not built")
 
 
+@pytest.fixture(params=native.kernels() if native is not None else [])
+def kernel(request):
+    """Each crc32c kernel this CPU runs, in turn (the fastest is the one used)."""
+    used = native.kernel()
+    native.kernel(request.param)
+    yield request.param
+    native.kernel(used)
+
+
 @needs_native
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 12287, 12288, 12289, 3 * 12288 + 13, 1 << 20])
-def test_its_crc32c_is_the_one_manifests_record(n):
+def test_the_fastest_kernel_this_cpu_has_is_used():
+    assert native.kernel() == native.kernels()[0]
+    with pytest.raises(ValueError, match="no crc32c kernel 'nonesuch'"):
+        native.kernel("nonesuch")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "n",
+    [0, 1, 7, 8, 9, 255, 256, 511, 512, 513, 767, 768, 769, 4095, 12287, 12288, 12289,
+     3 * 12288 + 13, (1 << 20) - 1, 1 << 20, (1 << 20) + 321],
+)  # fmt: skip
+def test_its_crc32c_is_the_one_manifests_record(n, kernel):
     data = os.urandom(n)
     for value in (0, 0xDEADBEEF):
         assert native.crc32c(data, value) == crc32c.crc32c(data, value)
@@ -53,15 +75,19 @@ def _rows(src: torch.Tensor, dst: torch.Tensor, spans: list[tuple[int, int, int]
 
 
 @needs_native
-def test_every_chunk_lands_whole_and_a_bad_one_is_named():
+@pytest.mark.parametrize("aligned", [False, True])
+def test_every_chunk_lands_whole_and_a_bad_one_is_named(kernel, aligned):
+    """Unaligned sources and targets, and targets aligned as a tensor's (large chunks are
+    then stored past the caches)."""
     rng = random.Random(7)
-    src = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8)
-    dst = torch.zeros(6 << 20, dtype=torch.uint8)
+    src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    dst = torch.zeros(8 << 20, dtype=torch.uint8)
     spans, at = [], 0
-    for n in [0, 1, 5, 8, 4096, 12288 * 3 + 3, 1 << 20, (2 << 20) + 1, 333]:
-        offset = rng.randrange(0, 64)  # unaligned sources and targets
-        spans.append((at + offset, at + offset + 7, n))
-        at += offset + n + 64
+    for n in [0, 1, 5, 8, 4096, 12288 * 3 + 3, 1 << 20, (2 << 20) + 1, 333, 700, 1 << 20]:
+        offset = rng.randrange(0, 64)
+        skew = 64 - (dst.data_ptr() + at + offset) % 64 if aligned else 7
+        spans.append((at + offset, at + offset + skew, n))
+        at += offset + n + 128
     to, frm, size, want = _rows(src, dst, spans)
     assert native.copy_checked(to, frm, size, want, 0, len(spans), src.data_ptr()) == (
         -1,
@@ -97,6 +123,70 @@ def test_columns_that_are_not_int64_or_too_short_are_refused():
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [2, 3, 64, 1000])
+def test_a_run_shared_over_threads_lands_whole_and_names_its_first_bad_chunk(kernel, threads):
+    """Rows shared out over threads (torch's OpenMP team where there is one): every chunk
+    lands, and of two bad chunks in different shares the first in row order is named."""
+    src = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
+    dst = torch.zeros(8 << 20, dtype=torch.uint8)
+    sizes = [70_000, 3, 1 << 20, 0, 5000, 600_000, 12_289, 1 << 20, 999, 250_000] * 2
+    spans, at = [], 0
+    for n in sizes:
+        spans.append((at, at, n))
+        at += n
+    to, frm, size, want = _rows(src, dst, spans)
+    args = (to, frm, size, want, 0, len(spans))
+    assert native.copy_checked(*args, src.data_ptr(), threads) == (-1, 0)
+    assert torch.equal(dst[:at], src[:at])
+    assert native.checked_at(*args, threads) == (-1, 0)
+    for j in (17, 2):  # the later one first: a share of its own whatever the threads
+        f, _, n = spans[j]
+        src[f + n - 1] ^= 0x01
+    found = crc32c.crc32c(memoryview(src.numpy())[spans[2][0] : spans[2][0] + spans[2][2]])
+    assert native.copy_checked(*args, src.data_ptr(), threads) == (2, found)
+    assert native.checked_at(*args, threads) == (2, found)
+    assert native.copy_checked(to, frm, size, want, 3, 18, src.data_ptr(), threads)[0] == 17
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        native.checked_at(*args, 0)
+    with pytest.raises(TypeError, match="takes 6 or 7 arguments"):
+        native.checked_at(*args, 2, 3)
+
+
+@needs_native
+def test_shares_run_on_torchs_openmp_team_but_never_in_a_forked_child():
+    """torch's OpenMP runtime is in the process: shared runs use its team. A forked child
+    does not (its parent's team threads stayed behind) and still copies, on one thread."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch does not compute with OpenMP")
+    assert native.team()
+    torch.ones(1 << 20).add_(1)  # the team has run in this process
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    cols = _rows(src, dst, [(0, 0, 2 << 20), (2 << 20, 2 << 20, 2 << 20)])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no torch op (libgomp's own would hang here), report, leave
+        ok = 0
+        try:
+            copied = native.copy_checked(*cols, 0, 2, src.data_ptr(), 2)
+            ok = int(not native.team() and copied == (-1, 0)
+                     and dst.numpy().tobytes() == src.numpy().tobytes())  # fmt: skip
+        finally:
+            os.write(write, bytes([ok]))
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 120)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        assert ready, "the forked child's copy hung"
+        assert os.read(read, 1) == b"\x01"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@needs_native
 def test_copy_crc_continues_a_chunk_piece_by_piece():
     src = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
@@ -121,14 +211,22 @@ def test_a_files_chunks_are_read_into_their_targets_checked_and_a_cut_file_is_sa
     to, frm, size, want = _rows(src, dst, spans)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert native.read_checked(to, frm, size, want, 0, len(spans), fd) == (-1, 0, 0)
-        for f, t, n in spans:
-            assert torch.equal(dst[t : t + n], src[f : f + n])
+        for threads in (1, 2, 5):
+            dst.zero_()
+            assert native.read_checked(to, frm, size, want, 0, len(spans), fd, threads) == (
+                -1, 0, 0)  # fmt: skip
+            for f, t, n in spans:
+                assert torch.equal(dst[t : t + n], src[f : f + n])
         want[9] ^= 1
         assert native.read_checked(to, frm, size, want, 0, len(spans), fd)[:2] == (9, want[9] ^ 1)
+        assert native.read_checked(to, frm, size, want, 0, len(spans), fd, 3)[:2] == (
+            9, want[9] ^ 1)  # fmt: skip
         os.truncate(path, spans[-2][0] + 10)  # ends inside the chunk before the last
         assert native.read_checked(to, frm, size, want, 10, len(spans), fd)[2] == 1
+        assert native.read_checked(to, frm, size, want, 10, len(spans), fd, 2)[2] == 1
     finally:
         os.close(fd)
     with pytest.raises(OSError):
         native.read_checked(to, frm, size, want, 0, 1, 10_000)  # not an open file
+    with pytest.raises(OSError):
+        native.read_checked(to, frm, size, want, 0, len(spans), 10_000, 2)

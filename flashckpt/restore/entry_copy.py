@@ -6,12 +6,14 @@ tensors; ``flush()`` copies everything queued in one pass over all its chunks, s
 over the restore workers, each chunk's crc32c checked against the manifest, and returns once
 every byte has landed:
 
-* into host tensors: each worker takes a share of the chunks in one call of the compiled
-  verified copy (``flashckpt/_verified_copy.c``, without the GIL), which copies a chunk a
-  block at a time and checks each block where it landed while it is still in the core's
-  cache: one read of memory, and no Python per chunk, which at thousands of small tensors
-  is what a restore would cost. The offsets and sizes of a layout's chunks are planned once
-  (``_HostPlan``).
+* into host tensors: one call of the compiled verified copy (``flashckpt/_verified_copy.c``,
+  without the GIL) shares the chunks out over threads (torch's own OpenMP team where the
+  process has one, whose threads are awake right after a training step; else the restore
+  workers, a share each) and checks each chunk's bytes as they are copied: in the
+  registers they pass through (AVX-512 carry-less folding), or a block at a time where it
+  landed while still in the core's cache. One read of memory, and no Python per chunk,
+  which at thousands of small tensors is what a restore would cost. The offsets and sizes
+  of a layout's chunks are planned once (``_HostPlan``).
   Where the compiled copy is not built, a worker copies a chunk (a piece at a time for a
   large one) and checksums the bytes it just read while they are still in its cache. The
   source is read under its reader's lock (a slot's, or a private buffer), so the bytes
@@ -73,6 +75,8 @@ def _native_copy() -> Any:
 
 
 _native = _native_copy()
+if _native is not None:  # a forked child's OpenMP team stayed in its parent
+    os.register_at_fork(after_in_child=_native.forbid_team)
 _written = threading.local()  # per restoring thread: how often targets began to be written
 
 
@@ -260,16 +264,17 @@ def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
 
 def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> None:
     """Run the compiled ``fn`` (``copy_checked``, ``checked_at``, ``read_checked``) over
-    every chunk, one share per worker where there is more than a piece's worth of bytes."""
+    every chunk, shared out over ``_N_WORKERS`` threads where there is more than a piece's
+    worth of bytes: in one call on torch's OpenMP team, else a share per restore worker."""
     cols = chunks.arrays()
     n = len(chunks.size)
 
-    def share(first: int, last: int) -> Bad | None:
-        j, value = fn(*cols, first, last, *extra)
+    def share(first: int, last: int, threads: int = 1) -> Bad | None:
+        j, value = fn(*cols, first, last, *extra, threads)
         return None if j < 0 else (j, 0, value)
 
-    if sum(chunks.size) <= _PIECE:  # too little to hand off
-        found = share(0, n)
+    if sum(chunks.size) <= _PIECE or _N_WORKERS == 1 or _native.team():
+        found = share(0, n, 1 if sum(chunks.size) <= _PIECE else _N_WORKERS)
         if found is not None:
             raise chunks.mismatch(where, found[0], found[2])
         return
@@ -357,8 +362,9 @@ class Source:
                 raise ManifestError(f"{self.where}: the data holds {size} bytes, the manifest "
                                     f"says {self.size}; restore from another tier or an older step")  # fmt: skip
 
-            def read(*cols_and_rows: Any) -> tuple[int, int]:
-                row, value, short = _native.read_checked(*cols_and_rows, fd)
+            def read(*cols_rows_threads: Any) -> tuple[int, int]:
+                *cols_and_rows, threads = cols_rows_threads
+                row, value, short = _native.read_checked(*cols_and_rows, fd, threads)
                 if short:
                     raise ManifestError(f"{self.where}: the data ended before its chunks did (it "
                                         "was cut short while read); restore from another tier "
