@@ -6,14 +6,15 @@
  * from Python, the calls around each chunk cost more than its bytes at a few KiB, and the
  * checksum is a second pass over what was copied. Here one call takes a run of chunks, as
  * four columns of int64 (target address, offset in the source, bytes, crc32c expected or
- * -1 for none), and copies each one a block of 128 KiB at a time, checking the block where
- * it landed while it is still in the core's cache (the SSE4.2 crc32 instruction over three
- * interleaved streams, their crcs joined by multiplying in GF(2)): one read of memory for
- * the copy and its check. A directory tier's file is read into the targets the same way,
- * a batch of chunks per ``preadv``, each checked while still in cache.
+ * -1 for none), and copies each one checked on the way (``_crc32c.h``: folded from the
+ * registers the bytes pass through, or a block at a time where it landed, still in cache):
+ * one read of memory for the copy and its check. A directory tier's file is read into the
+ * targets the same way, a batch of chunks per ``preadv``, each checked while still in cache.
+ * Given threads, a call shares its chunks out over them (torch's OpenMP team, see below).
  *
  * Built where the compiler targets x86-64; ``available()`` says whether this CPU has the
- * instruction. Elsewhere the restore copies and checks from Python (``entry_copy``).
+ * crc32 instruction, ``kernel()`` which kernel runs. Elsewhere the restore copies and checks
+ * from Python (``entry_copy``).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -251,10 +252,10 @@ static Outcome run_shared(const Rows *r, Py_ssize_t first, Py_ssize_t last, int 
 }
 #endif
 
-/* run_of: the arguments every call over a run of chunks takes: the four columns, the rows
+/* rows_of: the arguments every call over a run of chunks takes: the four columns, the rows
  * [first, last), then ``extra`` more (the source's address, the file), then optionally the
- * threads to share the rows over (default 1). Runs them without the GIL. NULL with an
- * exception set where they are wrong. */
+ * threads to share the rows over (default 1). 0, or -1 with an exception set where they are
+ * wrong (nothing to release then). */
 static int rows_of(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t extra, const char *name,
                    Columns *c, Py_ssize_t *first, Py_ssize_t *last, int *threads) {
     if (nargs != 6 + extra && nargs != 7 + extra) {
