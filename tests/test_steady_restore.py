@@ -289,3 +289,25 @@ def test_a_corrupt_chunk_on_its_way_to_the_device_is_refused(shm_dir, copy_path)
         # "big": 12 MiB, several staged pieces.
         target, older = _restored_past_a_flip(ck, 3 * 1024 * 1024, 9 * 1024 * 1024 + 5)
         assert_same(values(target) + [target["big"]], older)
+
+
+def test_gradients_are_dropped_as_zero_grad_drops_them_and_an_own_zero_grad_is_called():
+    """The restore drops gradients by walking parameters directly (shared and nested ones
+    included) where the class keeps torch's ``zero_grad``, and calls a class's own."""
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Sequential(shared, torch.nn.Sequential(shared, torch.nn.Linear(3, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for target in (model, opt):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        into_state.drop_grads(target)
+        assert all(p.grad is None for p in model.parameters())
+
+    class Own(torch.nn.Linear):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.called = set_to_none
+
+    own = Own(2, 2)
+    own.weight.grad = torch.ones_like(own.weight)
+    into_state.drop_grads(own)
+    assert own.called is True and own.weight.grad is not None  # its own, as it chose
