@@ -13,7 +13,10 @@ after one warm-up round), medians reported, ratio = the baseline's time / the ro
   instruction over it in cache), its chunks shared over torch's OpenMP team, as a restore
   runs them;
 - the same "fold" kernel on a pool of Python threads, a share each (what a process without
-  an OpenMP team does): each round follows a torch op, whose team threads spin for a while.
+  an OpenMP team does): each round follows a torch op, whose team threads spin for a while;
+- beside them, a chunk's checksum alone (what a save's sealer and a tier's check compute):
+  ``format.checksum.crc`` (the kernel where this CPU folds) against the ``crc32c`` package,
+  over every chunk of the region in turn, on one thread.
 
 Every copy is checked; the target is compared with the source at the end.
 """
@@ -26,8 +29,10 @@ import mmap
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 import torch
 from snapshot_harness import timed
@@ -75,11 +80,16 @@ def main() -> None:
                       for a, b in itertools.pairwise(cuts)]  # fmt: skip
             assert all(s.result() == (-1, 0) for s in shares)
 
+        def checksums(fn: Callable[[memoryview], int]) -> None:
+            assert [fn(raw[a : a + b]) for a, b in zip(frm, size, strict=True)] == list(want)
+
         methods = {"copy_": lambda: dst.copy_(src)}
         for k in native.kernels():
             methods[f"copy_checked {k}, OpenMP team"] = lambda k=k: checked(k, threads)
         if native.team():
             methods[f"copy_checked {native.kernels()[0]}, thread pool"] = on_pool
+        methods["crc32c package, chunk by chunk"] = lambda: checksums(crc32c.crc32c)
+        methods["format.checksum.crc, chunk by chunk"] = lambda: checksums(crc)
         times: dict[str, list[float]] = {k: [] for k in methods}
         keys = list(methods)
         for i in range(args.rounds + 1):
@@ -95,8 +105,14 @@ def main() -> None:
               f"{args.chunk_mib} MiB chunks (median of {args.rounds})")  # fmt: skip
         for k, v in med.items():
             print(f"  {k:40s} {v * 1e3:8.2f} ms {med['copy_'] / v:6.2f}x")
+        copies = [k for k in med if k.startswith("copy_checked")]
         ratios = " ".join(f"{k.split(',')[0].split()[-1]}{'' if 'team' in k else '_pool'}"
-                          f"/copy_={med['copy_'] / v:.2f}" for k, v in med.items() if k != "copy_")  # fmt: skip
+                          f"/copy_={med['copy_'] / med[k]:.2f}" for k in copies)  # fmt: skip
+        package, ours = (
+            med["crc32c package, chunk by chunk"],
+            med["format.checksum.crc, chunk by chunk"],
+        )
+        ratios += f" checksum/crc32c_package={package / ours:.2f}"
         print(f"RESULT verified_copy {ratios}")
 
 

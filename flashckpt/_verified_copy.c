@@ -367,7 +367,10 @@ static PyObject *copy_crc_of(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromUnsignedLong(r);
 }
 
-/* crc32c(buffer, value=0) -> the crc32c of the buffer, continuing ``value`` (for tests). */
+#define GIL_FREE_MIN (32 << 10) /* smaller buffers are checked holding the GIL */
+
+/* crc32c(buffer, value=0) -> the crc32c of the buffer, continuing ``value`` (a chunk's
+ * checksum where this CPU folds: ``format.checksum``). */
 static PyObject *crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "crc32c takes a buffer and an optional value");
@@ -385,9 +388,13 @@ static PyObject *crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     uint32_t r = (uint32_t)value;
 #if HAVE_CRC_INSN
-    Py_BEGIN_ALLOW_THREADS
-    r = ~crc_any(view.buf, (size_t)view.len, ~r);
-    Py_END_ALLOW_THREADS
+    if (view.len < GIL_FREE_MIN) { /* a thread handing the GIL back and forth per small chunk */
+        r = ~crc_any(view.buf, (size_t)view.len, ~r);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        r = ~crc_any(view.buf, (size_t)view.len, ~r);
+        Py_END_ALLOW_THREADS
+    }
 #endif
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(r);

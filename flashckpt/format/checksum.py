@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import crc32c as _crc32c
 
@@ -13,9 +13,22 @@ from .manifest import Entry
 ALGORITHM = "crc32c"
 
 
+def _fastest() -> Any:
+    """The verified copy's crc32c where it is built and this CPU folds (AVX-512 with
+    VPCLMULQDQ: about twice the ``crc32c`` package's speed), else the package's."""
+    try:
+        from .. import _verified_copy
+    except ImportError:
+        return _crc32c.crc32c
+    return _verified_copy.crc32c if _verified_copy.kernel() == "fold" else _crc32c.crc32c
+
+
+_crc = _fastest()
+
+
 def crc(data: memoryview | bytes, value: int = 0) -> int:
-    """crc32c of ``data``; the GIL is released for large buffers, so threads overlap."""
-    return _crc32c.crc32c(data, value)
+    """crc32c of ``data``; the GIL is released, so threads overlap."""
+    return _crc(data, value)
 
 
 class Cancel(Protocol):
