@@ -145,44 +145,26 @@ FOLD_TARGET static uint32_t fold_crc(uint8_t *dst, const uint8_t *src, size_t n,
         for (int i = 0; i < 4; i++)
             _mm512_storeu_si512(dst + 64 * i, acc[i]);
     acc[0] = _mm512_xor_si512(acc[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    /* Large chunks with a target aligned as a tensor's are stored past the caches. */
+    const int stream = dst && n >= STREAM_MIN && ((uintptr_t)dst & 63) == 0;
     size_t p = 256;
-    if (dst && n >= STREAM_MIN && ((uintptr_t)dst & 63) == 0) {
-        for (; p + 256 <= n; p += 256) {
-            __m512i x0 = _mm512_loadu_si512(src + p), x1 = _mm512_loadu_si512(src + p + 64);
-            __m512i x2 = _mm512_loadu_si512(src + p + 128), x3 = _mm512_loadu_si512(src + p + 192);
-            _mm512_stream_si512((void *)(dst + p), x0);
-            _mm512_stream_si512((void *)(dst + p + 64), x1);
-            _mm512_stream_si512((void *)(dst + p + 128), x2);
-            _mm512_stream_si512((void *)(dst + p + 192), x3);
-            acc[0] = FOLD(acc[0], k, x0);
-            acc[1] = FOLD(acc[1], k, x1);
-            acc[2] = FOLD(acc[2], k, x2);
-            acc[3] = FOLD(acc[3], k, x3);
+    for (; p + 256 <= n; p += 256) {
+        __m512i x[4];
+        for (int i = 0; i < 4; i++)
+            x[i] = _mm512_loadu_si512(src + p + 64 * i);
+        for (int i = 0; dst && i < 4; i++) {
+            if (stream)
+                _mm512_stream_si512((void *)(dst + p + 64 * i), x[i]);
+            else
+                _mm512_storeu_si512(dst + p + 64 * i, x[i]);
         }
-        _mm_sfence();
-        memcpy(dst + p, src + p, n - p);
-    } else if (dst) {
-        for (; p + 256 <= n; p += 256) {
-            __m512i x0 = _mm512_loadu_si512(src + p), x1 = _mm512_loadu_si512(src + p + 64);
-            __m512i x2 = _mm512_loadu_si512(src + p + 128), x3 = _mm512_loadu_si512(src + p + 192);
-            _mm512_storeu_si512(dst + p, x0);
-            _mm512_storeu_si512(dst + p + 64, x1);
-            _mm512_storeu_si512(dst + p + 128, x2);
-            _mm512_storeu_si512(dst + p + 192, x3);
-            acc[0] = FOLD(acc[0], k, x0);
-            acc[1] = FOLD(acc[1], k, x1);
-            acc[2] = FOLD(acc[2], k, x2);
-            acc[3] = FOLD(acc[3], k, x3);
-        }
-        memcpy(dst + p, src + p, n - p);
-    } else {
-        for (; p + 256 <= n; p += 256) {
-            acc[0] = FOLD(acc[0], k, _mm512_loadu_si512(src + p));
-            acc[1] = FOLD(acc[1], k, _mm512_loadu_si512(src + p + 64));
-            acc[2] = FOLD(acc[2], k, _mm512_loadu_si512(src + p + 128));
-            acc[3] = FOLD(acc[3], k, _mm512_loadu_si512(src + p + 192));
-        }
+        for (int i = 0; i < 4; i++)
+            acc[i] = FOLD(acc[i], k, x[i]);
     }
+    if (stream)
+        _mm_sfence();
+    if (dst)
+        memcpy(dst + p, src + p, n - p);
     return fold_end(acc, src + p, n - p);
 }
 #endif

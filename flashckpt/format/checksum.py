@@ -13,17 +13,20 @@ from .manifest import Entry
 ALGORITHM = "crc32c"
 
 
-def _fastest() -> Any:
-    """The verified copy's crc32c where it is built and this CPU folds (AVX-512 with
-    VPCLMULQDQ: about twice the ``crc32c`` package's speed), else the package's."""
+def compiled() -> Any:
+    """The compiled verified copy (``flashckpt/_verified_copy.c``), or None where it was not
+    built or this CPU lacks the crc32c instruction."""
     try:
         from .. import _verified_copy
     except ImportError:
-        return _crc32c.crc32c
-    return _verified_copy.crc32c if _verified_copy.kernel() == "fold" else _crc32c.crc32c
+        return None
+    return _verified_copy if _verified_copy.available() else None
 
 
-_crc = _fastest()
+# Its crc32c where this CPU folds (AVX-512 with VPCLMULQDQ: about twice the ``crc32c``
+# package's speed), else the package's.
+_native = compiled()
+_crc = _native.crc32c if _native is not None and _native.kernel() == "fold" else _crc32c.crc32c
 
 
 def crc(data: memoryview | bytes, value: int = 0) -> int:

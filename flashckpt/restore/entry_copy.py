@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..errors import ManifestError
-from ..format.checksum import chunk_mismatch, crc, verify_entry
+from ..format.checksum import chunk_mismatch, compiled, crc, verify_entry
 from ..format.kept import Kept
 from ..format.manifest import Entry, dtype_from_name
 from ..format.sealed import bare_entries, one_per_entry
@@ -64,17 +64,7 @@ _SHARED_MIN = 48 << 10  # host chunks smaller on average are copied by one threa
 _UNCHECKED = -1  # the crc32c expected of a chunk that is not checked
 
 
-def _native_copy() -> Any:
-    """The compiled verified copy (``flashckpt/_verified_copy.c``), or None where it was not
-    built or this CPU lacks the crc32c instruction: chunks are then copied from Python."""
-    try:
-        from .. import _verified_copy
-    except ImportError:
-        return None
-    return _verified_copy if _verified_copy.available() else None
-
-
-_native = _native_copy()
+_native = compiled()  # None: chunks are copied from Python
 if _native is not None:  # a forked child's OpenMP team stayed in its parent
     os.register_at_fork(after_in_child=_native.forbid_team)
 _written = threading.local()  # per restoring thread: how often targets began to be written
@@ -267,14 +257,14 @@ def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> N
     every chunk, shared out over ``_N_WORKERS`` threads where there is more than a piece's
     worth of bytes: in one call on torch's OpenMP team, else a share per restore worker."""
     cols = chunks.arrays()
-    n = len(chunks.size)
+    n, small = len(chunks.size), sum(chunks.size) <= _PIECE
 
     def share(first: int, last: int, threads: int = 1) -> Bad | None:
         j, value = fn(*cols, first, last, *extra, threads)
         return None if j < 0 else (j, 0, value)
 
-    if sum(chunks.size) <= _PIECE or _N_WORKERS == 1 or _native.team():
-        found = share(0, n, 1 if sum(chunks.size) <= _PIECE else _N_WORKERS)
+    if small or _N_WORKERS == 1 or _native.team():
+        found = share(0, n, 1 if small else _N_WORKERS)
         if found is not None:
             raise chunks.mismatch(where, found[0], found[2])
         return
