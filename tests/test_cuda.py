@@ -620,3 +620,53 @@ def test_a_verified_restore_into_gpu_tensors_refuses_a_flipped_byte(shm_dir):
         assert ck.restore(target) == 1
     torch.cuda.synchronize()
     assert all(torch.equal(target[k].cpu(), older[k]) for k in older)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["staged", "from-the-slot"])
+def test_thousands_of_gpu_tensors_restore_in_batched_uploads_and_refuse_a_flipped_byte(
+    shm_dir, pinned
+):
+    """The steady restore into 3,000 GPU tensors: staged through the page-locked ring (a
+    small buffer, so many of them) or uploaded from a page-locked slot directly. A flipped
+    byte in one small tensor of the newest step sends the restore to the older one, which
+    lands whole; a buffer's worth of tensors goes up in one call."""
+    from flashckpt.format.slot import HEADER_SIZE
+    from flashckpt.restore import device_upload
+    from flashckpt.snapshot.slots import read_locked
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(257, device="cuda"))
+                                    for _ in range(1000)])  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    for p in model:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    state = {"model": model, "optim": opt}
+    stage = device_upload.STAGE
+    device_upload.STAGE = 64 << 10
+    try:
+        with Checkpointer(job=f"many-flip-{pinned}") as ck:
+            ck._prep.pinner.pinned = lambda slot: pinned
+            ck.save(1, state)
+            older = _host(state)
+            with torch.no_grad():
+                for p in model:
+                    p.add_(1.0)
+            ck.save(2, state)
+            ck.wait(2, timeout=60)
+            ck._sealer.drain()
+            for slot in ck._pair.ready():
+                with read_locked(slot) as snap:
+                    if snap is not None and snap.step == 2:
+                        entry = next(e for e in snap.manifest.entries if e.path == "model/500")
+                        slot.buf[HEADER_SIZE + entry.offset + 7] ^= 0xFF
+            fresh = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(257, device="cuda"))
+                                            for _ in range(1000)])  # fmt: skip
+            fopt = torch.optim.AdamW(fresh.parameters(), foreach=False)
+            target = {"model": fresh, "optim": fopt}
+            assert ck.restore(target) == 1
+            _assert_same(_host(target), older)
+            assert ck.restore(target) == 1  # again, on the steady path: the same refusal
+            _assert_same(_host(target), older)
+    finally:
+        device_upload.STAGE = stage

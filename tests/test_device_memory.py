@@ -14,7 +14,7 @@ from conftest import run_python
 from fake_device import installed
 
 from flashckpt import Checkpointer
-from flashckpt.restore import optim_state
+from flashckpt.restore import device_upload, optim_state
 from flashckpt.snapshot.slots import slot_path
 
 
@@ -150,26 +150,37 @@ def test_a_page_locked_slot_is_unregistered_before_it_grows(fake):
         assert ck.restore(out) == 3 and torch.equal(out["t"], big["t"])
 
 
-def test_restore_into_device_tensors_is_staged_verified_and_on_the_right_device(fake):
+def test_restore_into_device_tensors_is_staged_verified_and_uploaded_a_buffer_at_a_time(fake):
     state = state_of()
     with Checkpointer(job="upload", chunk_size=1 << 16) as ck:
         ck.save(0, state)
         sealed(ck, 0)
-        calls: list[tuple[str, object]] = []
-        real_copy = fake.copy
+        calls: list[tuple[str, int, set[int]]] = []
+        real_copy_many, real_pinned = fake.copy_many, fake.pinned_empty
+        buffers: list[torch.Tensor] = []
 
-        def copy(stream, dst, src):
-            calls.append((threading.current_thread().name, fake.current_device()))
-            real_copy(stream, dst, src)
+        def copy_many(stream, dsts, srcs):
+            ptrs = {s.untyped_storage().data_ptr() for s in srcs}
+            calls.append((threading.current_thread().name, len(dsts), ptrs))
+            real_copy_many(stream, dsts, srcs)
 
-        fake.copy = copy
+        def pinned_empty(nbytes):
+            buffers.append(real_pinned(nbytes))
+            return buffers[-1]
+
+        fake.copy_many, fake.pinned_empty = copy_many, pinned_empty
         ck._prep.pinner.pinned = lambda slot: False  # read through the staging buffers
         restored = state_of(seed=1)
         assert ck.restore(restored) == 0
         equal_states(restored, state)
-        assert fake.pinned_buffers > 0
-        workers = {name for name, _ in calls if name.startswith("flashckpt-restore")}
-        assert workers and all(dev == "fake:0" for name, dev in calls if name in workers)
+    nbytes = sum(t.nbytes for t in restored["model"].state_dict().values()) * 3
+    assert nbytes < device_upload.STAGE  # the whole state fits one staging buffer...
+    assert len(calls) == 1  # ...so its ~60 chunks of 64 KiB go up in one call
+    name, rows, ptrs = calls[0]
+    assert rows > 50 and ptrs <= {b.data_ptr() for b in buffers}  # each from a staging buffer
+    # Only the restoring thread talks to the device: no restore worker waits on it either.
+    assert name == threading.current_thread().name
+    assert fake.waits and not [t for t, _ in fake.waits if t.startswith("flashckpt-restore")]
 
 
 def test_a_page_locked_slot_is_uploaded_from_directly(fake):

@@ -16,7 +16,7 @@ from flashckpt.errors import ChecksumError, ManifestError, PartlyRestoredError
 from flashckpt.format import sealed
 from flashckpt.format.manifest import Entry
 from flashckpt.format.slot import HEADER_SIZE
-from flashckpt.restore import entry_copy, into_state, steady_load
+from flashckpt.restore import device_upload, entry_copy, into_state, steady_load
 from flashckpt.snapshot.slots import read_locked
 
 
@@ -262,23 +262,61 @@ def test_a_mismatch_names_the_entry_and_the_chunk(copy_path):
         src.copy_many([torch.empty(64, dtype=torch.uint8)], [past], 4096)
 
 
-def test_device_targets_on_the_steady_path_are_uploaded(shm_dir, monkeypatch, copy_path):
+def test_device_targets_on_the_steady_path_are_queued_at_once_and_uploaded(
+    shm_dir, monkeypatch, copy_path
+):
     spy = Spy(monkeypatch)
-    uploads = []
-    real = entry_copy.Source._copy
-    monkeypatch.setattr(entry_copy.Source, "_copy",
-                        lambda self, items, rt, dev: uploads.append(len(items))
-                        or real(self, items, rt, dev))  # fmt: skip
+    uploads, one_by_one = [], []
+    real = entry_copy.Source._upload
+    monkeypatch.setattr(entry_copy.Source, "_upload",
+                        lambda self, rows, outs, rt, dev: uploads.append((len(rows.size), dev))
+                        or real(self, rows, outs, rt, dev))  # fmt: skip
+    real_to = entry_copy.Source.copy_to
+    monkeypatch.setattr(entry_copy.Source, "copy_to",
+                        lambda self, *a: one_by_one.append(1) or real_to(self, *a))  # fmt: skip
     with installed():  # every tensor is a device tensor of the simulated device
         state = many(400)
         with Checkpointer(job="steady-device") as ck:
             ck.save(1, state)
             ck._sealer.drain()
-            target = many(400, seed=6)
-            assert ck.restore(target) == 1
-        assert_same(values(target), values(state))
-    assert spy.taken == 1
-    assert uploads == [len(values(state))]  # every tensor uploaded, in one pass
+            for seed in (6, 7):  # the first restore of the layout, and one after it
+                target = many(400, seed=seed)
+                assert ck.restore(target) == 1
+                assert_same(values(target), values(state))
+    assert spy.taken == 2
+    n = len(values(state))
+    assert uploads == [(n, "fake:0")] * 2  # every tensor uploaded, in one pass
+    assert not one_by_one  # queued in a few C-level passes, not a call a tensor
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["staged", "from-the-slot"])
+def test_a_flipped_byte_in_a_small_tensor_on_its_way_to_the_device_is_refused(
+    shm_dir, monkeypatch, copy_path, pinned
+):
+    """The steady path's device uploads, staged a small buffer at a time (many buffers, the
+    ring reused) or from a page-locked slot directly: a flipped byte in one small tensor sends
+    the restore to the older step, whose bytes land whole, and nothing of the corrupt copy is
+    still in flight when it does."""
+    monkeypatch.setattr(device_upload, "STAGE", 1024)  # a few tensors a staging buffer
+    with installed() as fake, Checkpointer(job=f"steady-device-flip-{pinned}") as ck:
+        ck._prep.pinner.pinned = lambda slot: pinned
+        state = many(400)
+        ck.save(1, state)
+        older = values(state)
+        with torch.no_grad():
+            for p in state["model"]:
+                p.add_(1.0)
+        ck.save(2, state)
+        ck.wait(2)
+        ck._sealer.drain()
+        _flip(ck, 2, "model/90", 3)
+        calls = fake.copy_calls
+        target = many(400, seed=4)
+        assert ck.restore(target) == 1
+        assert_same(values(target), older)
+        # From the slot: one call a step tried; staged: the older step alone (400 tensors of
+        # 22 bytes, each at a cache line of its own in a 1 KiB buffer) takes 25 calls.
+        assert fake.copy_calls - calls == 2 if pinned else fake.copy_calls - calls >= 25
 
 
 def test_a_corrupt_chunk_on_its_way_to_the_device_is_refused(shm_dir, copy_path):

@@ -18,11 +18,12 @@ every byte has landed:
   large one) and checksums the bytes it just read while they are still in its cache. The
   source is read under its reader's lock (a slot's, or a private buffer), so the bytes
   checked are the bytes copied;
-* into device tensors: a worker copies a piece into one of its own page-locked staging
-  buffers, checksumming it as it is copied (the compiled copy), and uploads it from there
-  on a copy stream of the device, reusing a buffer once its upload has landed; so
-  checksums, host copies and the DMA all run at once. A source that is page-locked already (a slot this process registered) is uploaded
-  from directly, checksummed beside the upload.
+* into device tensors (``device_upload``): a buffer's worth of chunks at a time is copied
+  into a page-locked staging buffer by the same compiled copy, each chunk checked as it is
+  copied, and uploaded in one call, while the next buffer fills; from a source that is
+  page-locked already (a slot this process registered) every chunk is uploaded from where it
+  is, and checked there while the device reads it. A state's device targets are queued in a
+  few C-level passes, as host ones are.
 
 Targets that are not plain bytes (strided, lazily conjugated) are verified, then copied with
 a typed copy at once. A mismatch raises ChecksumError; the caller falls back to another
@@ -39,7 +40,6 @@ import itertools
 import operator
 import os
 import threading
-import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -55,10 +55,9 @@ from ..format.manifest import Entry, dtype_from_name
 from ..format.sealed import bare_entries, one_per_entry
 from ..snapshot import device
 from ..snapshot.flatten import copy_into
+from . import device_upload
 
 _PIECE = 1 << 19  # host copies: checked right after its copy, while still in the core's cache
-_STAGE = 4 << 20  # one staging buffer of a device upload
-_RING = 3  # staging buffers per worker: one filling, the others uploading
 _N_WORKERS = max(1, min(8, os.cpu_count() or 1))
 _SHARED_MIN = 48 << 10  # host chunks smaller on average are copied by one thread
 _UNCHECKED = -1  # the crc32c expected of a chunk that is not checked
@@ -89,26 +88,6 @@ def _workers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_N_WORKERS, thread_name_prefix="flashckpt-restore")
 
 
-_local = threading.local()  # a worker's staging buffers, per device runtime
-_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> device -> stream
-
-
-def _staging(rt: device.DeviceRuntime) -> list[list[Any]]:
-    """This worker thread's ring of [page-locked buffer, event of its last upload]."""
-    rings = _local.__dict__.setdefault("rings", weakref.WeakKeyDictionary())
-    ring = rings.get(rt)
-    if ring is None:
-        ring = rings[rt] = [[rt.pinned_empty(_STAGE), None] for _ in range(_RING)]
-    return ring
-
-
-def _upload_stream(rt: device.DeviceRuntime, dev: Hashable) -> Any:
-    streams = _streams.setdefault(rt, {})
-    if dev not in streams:
-        streams[dev] = rt.new_stream(dev)
-    return streams[dev]
-
-
 def _byte_copyable(dst: torch.Tensor, nbytes: int) -> bool:
     return (
         dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()
@@ -121,6 +100,13 @@ _OFFSET = operator.attrgetter("offset")
 _CHECKSUMS = operator.attrgetter("checksums")
 _FIRST = operator.itemgetter(0)
 _IS_CPU = operator.attrgetter("is_cpu")
+
+
+def _plain_bytes(dsts: list[torch.Tensor]) -> bool:
+    """Whether every tensor of ``dsts`` is contiguous, with no conjugate or negative bit."""
+    return (all(map(torch.Tensor.is_contiguous, dsts))
+            and not any(map(torch.Tensor.is_conj, dsts))
+            and not any(map(torch.Tensor.is_neg, dsts)))  # fmt: skip
 
 
 def _bytes_of(dst: torch.Tensor) -> torch.Tensor:
@@ -238,6 +224,15 @@ class _HostChunks:
             frm, size = np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64)
         return [np.array(self.to, dtype=np.int64), frm, size, np.array(self.want, dtype=np.int64)]
 
+    def rows(self, first: int, last: int, to: list[int]) -> _HostChunks:
+        """Rows [first, last) as chunks of their own, bound for addresses ``to``."""
+        part = _HostChunks()
+        part.entry, part.cs = self.entry[first:last], self.cs[first:last]
+        part.index, part.frm = self.index[first:last], self.frm[first:last]
+        part.size, part.want = self.size[first:last], self.want[first:last]
+        part.to = to
+        return part
+
     def mismatch(self, where: str, j: int, found: int) -> Exception:
         """The error for chunk ``j`` reading as ``found``."""
         return chunk_mismatch(where, self.entry[j], self.index[j], found, self.cs[j], self.want[j])
@@ -295,6 +290,10 @@ class Source:
     scatter: Scatter | None = field(default=None, repr=False)
     opener: Callable[[], int] | None = field(default=None, repr=False)  # a file's descriptor
     _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
+    # Device targets queued a layout at a time: (device, rows, each row's target bytes).
+    _uploads: list[tuple[Hashable, _HostChunks, list[torch.Tensor]]] = field(
+        default_factory=list, repr=False
+    )
     _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
 
     def __post_init__(self) -> None:
@@ -326,6 +325,10 @@ class Source:
             return
         assert self.scatter is not None
         self.scatter([(chunks.frm[j], chunks.to[j], chunks.size[j]) for j in order])
+        self._check_in_place(chunks)
+
+    def _check_in_place(self, chunks: _HostChunks) -> None:
+        """Check every chunk where it is, at its ``to`` address; raise for the first bad."""
         if _native is not None:
             _run_native(chunks, self.where, _native.checked_at)
             return
@@ -391,19 +394,25 @@ class Source:
             self._queued.append((dst, entry, chunk_size))
 
     def copy_many(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
-                  chunk_size: int, host_sized: bool = False, plain: bool = False) -> None:  # fmt: skip
-        """``copy_to`` for every pair of ``dsts`` and ``entries`` (equal lengths); host
-        tensors that are plain bytes are checked in a few C-level passes, not one by one.
+                  chunk_size: int, host_sized: bool = False, plain: bool = False,
+                  on_device: Hashable | None = None) -> None:  # fmt: skip
+        """``copy_to`` for every pair of ``dsts`` and ``entries`` (equal lengths); targets
+        that are plain bytes are queued in a few C-level passes, not one by one.
         ``host_sized``: the caller knows every target is a host tensor of its entry's size;
+        ``on_device``: that every target is a tensor of that device of its entry's size;
         ``plain``: that every target is contiguous, with no conjugate or negative bit."""
         if len(dsts) != len(entries):
             raise ValueError(f"{len(dsts)} targets for {len(entries)} entries")
+        plain = plain or _plain_bytes(dsts)
+        if on_device is not None and plain:
+            rows = _HostChunks()
+            if rows.add_small(dsts, entries, chunk_size, self.size, self.verify):
+                self._uploads.append((on_device, rows, list(map(_bytes_of, dsts))))
+                return
         if (
             (host_sized or (all(map(_IS_CPU, dsts))
                             and not any(map(device.runtime().is_device_tensor, dsts))))
-            and (plain or (all(map(torch.Tensor.is_contiguous, dsts))
-                           and not any(map(torch.Tensor.is_conj, dsts))
-                           and not any(map(torch.Tensor.is_neg, dsts))))
+            and plain
             and (host_sized or list(map(_NBYTES, dsts)) == list(map(_NBYTES, entries)))
         ):  # fmt: skip
             self._add_units(dsts, entries, chunk_size)
@@ -430,18 +439,33 @@ class Source:
         """Copy everything queued, verified; returns once it has landed."""
         chunks, self._chunks = self._chunks, _HostChunks()
         queued, self._queued = self._queued, []
-        if chunks.size or queued:
+        uploads, self._uploads = self._uploads, []
+        if chunks.size or queued or uploads:
             _writing()
         if chunks.size:
             self._copy_host(chunks)
-        if not queued:
+        if not queued and not uploads:
             return
         rt = device.runtime()
         by_device: dict[Hashable, list[Queued]] = {}
         for item in queued:
             by_device.setdefault(rt.device_of(item[0]), []).append(item)
-        for dev, items in by_device.items():
-            self._copy(items, rt, dev)
+        uploads += [(dev, *self._device_rows(items)) for dev, items in by_device.items()]
+        for dev, rows, outs in uploads:
+            self._upload(rows, outs, rt, dev)
+
+    def _device_rows(self, items: list[Queued]) -> tuple[_HostChunks, list[torch.Tensor]]:
+        """The chunks of device targets ``items`` as rows, and each row's byte view of its
+        target."""
+        rows, outs = _HostChunks(), []
+        for dst, e, cs in items:
+            out = _bytes_of(dst)
+            rows.add(dst, e, cs, e.checksums if self.verify else None)
+            if e.nbytes <= cs:
+                outs.append(out)
+            else:
+                outs.extend(out[lo : lo + cs] for lo in range(0, e.nbytes, cs))
+        return rows, outs
 
     def _copy_host(self, chunks: _HostChunks) -> None:
         """Copy and check every chunk of ``chunks`` into host memory: each chunk's bytes are
@@ -452,7 +476,11 @@ class Source:
         ):
             self._received_into(chunks)
             return
-        whole = self.bytes()
+        self._copy_bytes(chunks, self.bytes())
+
+    def _copy_bytes(self, chunks: _HostChunks, whole: torch.Tensor) -> None:
+        """Copy every chunk from ``whole`` (the data region) to its ``to`` address, checked
+        as it is copied; raise for the first bad."""
         if _native is not None:
             _run_native(chunks, self.where, _native.copy_checked, whole.data_ptr())
             return
@@ -493,63 +521,13 @@ class Source:
             return
         _settle(chunks, self.where, [_workers().submit(work, a, b) for a, b in spread])
 
-    def _copy(self, items: list[Queued], rt: device.DeviceRuntime, dev: Hashable) -> None:
-        """One pass over every chunk of ``items`` uploaded to ``dev``, spread over the restore
-        workers."""
-        units = [(k, i) for k, (_, e, cs) in enumerate(items) for i in range(e.n_chunks(cs))]
-        sizes = [min(items[k][2], items[k][1].nbytes - i * items[k][2]) for k, i in units]
-        outs = [_bytes_of(dst) for dst, _, _ in items]
-        whole = self.bytes()
-        data, base = memoryview(whole.numpy()), whole.data_ptr()
-        stream = _upload_stream(rt, dev)
-        stream.wait_stream(rt.current_stream(dev))  # after what the caller queued there
-
-        def work(first: int, last: int) -> Bad | None:
-            rt.use_device(dev)  # a pool thread has no current device: never make one
-            ring = None if self.pinned else _staging(rt)
-            turn, bad = 0, None
-            for k, i in units[first:last]:
-                out, (_, entry, cs) = outs[k], items[k]
-                check = self.verify and entry.checksums is not None
-                lo, hi = i * cs, min((i + 1) * cs, entry.nbytes)
-                value = 0
-                for p in range(lo, hi, _STAGE):
-                    q = min(p + _STAGE, hi)
-                    at = entry.offset + p
-                    if ring is None:  # uploaded straight from page-locked memory
-                        rt.copy(stream, out[p:q], whole[at : at + q - p])
-                        if check:
-                            value = crc(data[at : at + q - p], value)
-                        continue
-                    # Through a staging buffer, once its last upload has landed; checked as
-                    # it is copied there (the compiled copy) or right after, in cache.
-                    buf = ring[turn % _RING]
-                    turn += 1
-                    if buf[1] is not None:
-                        buf[1].synchronize()
-                    staged = buf[0].data_ptr()
-                    if check and _native is not None:
-                        value = _native.copy_crc(staged, base + at, q - p, value)
-                    else:
-                        ctypes.memmove(staged, base + at, q - p)
-                        if check:
-                            value = crc(memoryview(buf[0].numpy())[: q - p], value)
-                    rt.copy(stream, out[p:q], buf[0][: q - p])
-                    buf[1] = rt.new_event()
-                    buf[1].record(stream)
-                if check and bad is None and value != entry.checksums[i]:  # type: ignore[index]
-                    bad = (k, i, value)
-            return bad
-
-        futures = [_workers().submit(work, a, b) for a, b in _spread(sizes)]
-        wait(futures)
-        done = rt.new_event()
-        done.record(stream)
-        done.synchronize()
-        found = [r for f in futures if (r := f.result()) is not None]
-        if found:
-            k, i, value = found[0]
-            raise chunk_mismatch(self.where, items[k][1], i, value, items[k][2])
+    def _upload(self, rows: _HostChunks, outs: list[torch.Tensor], rt: device.DeviceRuntime,
+                dev: Hashable) -> None:  # fmt: skip
+        """Every row of ``rows`` uploaded into its byte view in ``outs`` on ``dev``, checked on
+        its way (``device_upload``); raises for the first bad chunk once nothing is in flight."""
+        device_upload.upload(rows, outs, self.bytes(), self.pinned, rt, dev,
+                             lambda batch: self._copy_bytes(batch, self.bytes()),
+                             self._check_in_place)  # fmt: skip
 
     def _bounds(self, entry: Entry, chunk_size: int) -> None:
         if entry.offset < 0 or entry.offset + entry.nbytes > self.size:

@@ -16,6 +16,7 @@ renamed keys) goes through the node-by-node ``into_state.plan``.
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 
 import torch
 
@@ -33,19 +34,23 @@ _KEY = operator.attrgetter(
     "path", "kind", "dtype", "shape", "shard", "replicated", "stored_at", "replicas"
 )
 # A few layouts' results, as several Checkpointers (memory, a tier's reader) restore in turn.
-_KEYS: Kept[tuple[list, bool]] = Kept(4, identity=True)  # (layout, runtime) -> keys, host
+# (layout, runtime) -> keys, host, device
+_KEYS: Kept[tuple[list, bool, Hashable | None]] = Kept(4, identity=True)
 _MATCHED: Kept[bool] = Kept(4, identity=True)  # (keys, entries) found equal (held: ids stay)
 
 
-def _keys(layout: Layout, tensors: list[torch.Tensor]) -> tuple[list, bool]:
-    """The layout's entry keys, and whether every tensor of it is a host tensor (the same
-    for every state of the layout: its signature holds each tensor's device)."""
+def _keys(layout: Layout, tensors: list[torch.Tensor]) -> tuple[list, bool, Hashable | None]:
+    """The layout's entry keys, whether every tensor of it is a host tensor, and the device
+    every tensor of it is on where they are all on one device of the runtime (the same for
+    every state of the layout: its signature holds each tensor's device)."""
     rt = device.runtime()
     found = _KEYS.get((layout, rt))
     if found is None:
         keys = list(map(_KEY, layout.entries))
-        host = all(map(_IS_CPU, tensors)) and not any(map(rt.is_device_tensor, tensors))
-        found = (keys, host)
+        on_device = list(map(rt.is_device_tensor, tensors))
+        host = all(map(_IS_CPU, tensors)) and not any(on_device)
+        devices = set(map(rt.device_of, tensors)) if tensors and all(on_device) else set()
+        found = (keys, host, devices.pop() if len(devices) == 1 else None)
         _KEYS.put((layout, rt), found)
     return found
 
@@ -57,7 +62,7 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
         return None
     entries = manifest.entries
     bare = bare_entries(entries)  # a step's entries are its layout's: parsed once, kept
-    keys, host = _keys(walked.layout, walked.tensors)
+    keys, host, on_device = _keys(walked.layout, walked.tensors)
     if len(bare) != len(walked.tensors):
         return None
     if _MATCHED.get((keys, bare)) is None:
@@ -71,7 +76,7 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
 
     def produce(src: Source) -> None:
         # The walk checked each tensor's dtype, shape and device against the layout's.
-        src.copy_many(tensors, entries, cs, host_sized=host, plain=plain)
+        src.copy_many(tensors, entries, cs, host_sized=host, plain=plain, on_device=on_device)
         for target, sd, has_scalars in statefuls:  # innermost first, as node by node
             needs_load = has_scalars or not isinstance(target, torch.nn.Module)
             finish_stateful(target, sd, needs_load, src)
