@@ -88,6 +88,11 @@ def _workers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_N_WORKERS, thread_name_prefix="flashckpt-restore")
 
 
+# A forked child makes pools of its own: its parent's threads stayed behind, and a pool that
+# counts them as idle would queue work no thread takes.
+os.register_at_fork(after_in_child=_workers.cache_clear)
+
+
 def _byte_copyable(dst: torch.Tensor, nbytes: int) -> bool:
     return (
         dst.is_contiguous() and not dst.is_conj() and not dst.is_neg()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import operator
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .. import config, group
@@ -252,12 +254,35 @@ class Retrying:
         return f"; {self.tries} tries for {self.budget_s:g} s (FLASHCKPT_LIST_RETRY_S)"
 
 
+class _KeptPool(ThreadPoolExecutor):
+    """A pool that outlives the event loops it serves: closing a loop shuts its default
+    executor down, which this one ignores (its threads end with the interpreter)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        return None
+
+
+@functools.cache
+def _blocking_pool() -> ThreadPoolExecutor:
+    """The threads a private loop's blocking calls (a tier's reads, listings) run on, kept
+    from one restore to the next: a loop's own pool started a thread per call and joined
+    them at its end, and on a busy node each start waited for a core (a few milliseconds a
+    restore from a tier). A forked child makes its own (its parent's threads stayed behind)."""
+    return _KeptPool(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="flashckpt-tier-io")
+
+
+os.register_at_fork(after_in_child=_blocking_pool.cache_clear)
+
+
 def run_private(main: Awaitable[T]) -> T:
     """Run ``main`` to its end on a private event loop (sync callers), as ``asyncio.run``
     does but for its SIGINT handler: in the main thread that handler holds the task, and
     putting the old one back formats it, with its result, in an error it drops; a result
-    holding a manifest of thousands of entries cost tens of milliseconds a call."""
+    holding a manifest of thousands of entries cost tens of milliseconds a call. Its blocking
+    calls run on ``_blocking_pool``; a tier's calls that read or write the caller's memory
+    wait for their thread even when cancelled (``storage_tiers.threads.in_thread``)."""
     loop = asyncio.new_event_loop()
+    loop.set_default_executor(_blocking_pool())
     try:
         return loop.run_until_complete(main)
     finally:
@@ -267,7 +292,6 @@ def run_private(main: Awaitable[T]) -> T:
                     task.cancel()
                 loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
 
