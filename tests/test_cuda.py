@@ -648,6 +648,7 @@ def test_thousands_of_gpu_tensors_restore_in_batched_uploads_and_refuse_a_flippe
         with Checkpointer(job=f"many-flip-{pinned}") as ck:
             ck._prep.pinner.pinned = lambda slot: pinned
             ck.save(1, state)
+            ck.wait(1, timeout=60)  # landed before the writes below
             older = _host(state)
             with torch.no_grad():
                 for p in model:

@@ -14,6 +14,7 @@ from test_many_tensors import Counted, assert_same, many, values
 from flashckpt import Checkpointer
 from flashckpt.errors import ChecksumError, ManifestError, PartlyRestoredError
 from flashckpt.format import sealed
+from flashckpt.format.checksum import crc
 from flashckpt.format.manifest import Entry
 from flashckpt.format.slot import HEADER_SIZE
 from flashckpt.restore import device_upload, entry_copy, into_state, steady_load
@@ -164,6 +165,7 @@ def _restored_past_a_flip(ck: Checkpointer, big: int, at: int) -> tuple[dict, li
     1's values (which it must hold)."""
     state = {**many(400), "big": torch.randn(big)}
     ck.save(1, state)
+    ck.wait(1)  # landed (on a device, the copy runs on after save() returns) before the writes
     older = values(state) + [state["big"].clone()]
     with torch.no_grad():
         for p in state["model"]:
@@ -302,6 +304,7 @@ def test_a_flipped_byte_in_a_small_tensor_on_its_way_to_the_device_is_refused(
         ck._prep.pinner.pinned = lambda slot: pinned
         state = many(400)
         ck.save(1, state)
+        ck.wait(1)  # landed (the device's copy runs on after save() returns) before the writes
         older = values(state)
         with torch.no_grad():
             for p in state["model"]:
@@ -349,3 +352,42 @@ def test_gradients_are_dropped_as_zero_grad_drops_them_and_an_own_zero_grad_is_c
     own.weight.grad = torch.ones_like(own.weight)
     into_state.drop_grads(own)
     assert own.called is True and own.weight.grad is not None  # its own, as it chose
+
+
+@pytest.mark.parametrize("n", [3, 100])  # a layout's plan is kept from 64 entries on
+def test_received_chunks_go_in_offset_order_and_overlapping_ones_are_refused(copy_path, n):
+    """A source that receives its bytes (a peer's scatter) gets the chunks in offset order,
+    whatever the entries' order; entries whose bytes overlap (a corrupt manifest) are refused
+    before a byte is received."""
+    data = torch.arange(64 * n, dtype=torch.int64).to(torch.uint8)
+
+    def entries(offsets: list[int]) -> list[Entry]:
+        return [Entry(f"t{i}", "tensor", "uint8", (64,), offset=at, nbytes=64, first_chunk=i,
+                      checksums=(crc(data[at : at + 64].numpy().tobytes()),))
+                for i, at in enumerate(offsets)]  # fmt: skip
+
+    def source(got: list) -> entry_copy.Source:
+        def scatter(pieces):
+            got.extend(pieces)
+            for at, to, size in pieces:
+                dst = (entry_copy.ctypes.c_char * size).from_address(to)
+                dst[:] = data[at : at + size].numpy().tobytes()
+
+        return entry_copy.Source(None, "a peer", size=64 * n, fetch=lambda: data, scatter=scatter)
+
+    shuffled = [64 * i for i in reversed(range(n))]
+    got: list = []
+    src, dsts = source(got), [torch.zeros(64, dtype=torch.uint8) for _ in range(n)]
+    src.copy_many(dsts, entries(shuffled), 4096)
+    src.flush()
+    assert [at for at, _, _ in got] == sorted(shuffled)
+    assert all(torch.equal(d, data[at : at + 64]) for d, at in zip(dsts, shuffled, strict=True))
+    overlapping = [64 * i for i in range(n)]
+    overlapping[-1] -= 32  # the last entry's bytes begin inside the one before
+    got.clear()
+    src = source(got)
+    src.copy_many([torch.zeros(64, dtype=torch.uint8) for _ in range(n)], entries(overlapping),
+                  4096)  # fmt: skip
+    with pytest.raises(ManifestError, match=f"entries overlap at byte {64 * (n - 1) - 32}"):
+        src.flush()
+    assert not got

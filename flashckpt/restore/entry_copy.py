@@ -139,6 +139,13 @@ class _HostPlan:
         self.entries, self.key = entries, (cs, data_len)
         self.frm, self.size = frm, size
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._in_order: tuple[np.ndarray, int | None] | None = None
+
+    def in_order(self) -> tuple[np.ndarray, int | None]:
+        """``_in_order`` of the plan's chunks, found once."""
+        if self._in_order is None:
+            self._in_order = _in_order(*self.arrays)
+        return self._in_order
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -229,6 +236,12 @@ class _HostChunks:
             frm, size = np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64)
         return [np.array(self.to, dtype=np.int64), frm, size, np.array(self.want, dtype=np.int64)]
 
+    def in_order(self) -> tuple[np.ndarray, int | None]:
+        """``_in_order`` of the chunks (a plan's, found once for its layout)."""
+        if self.plan is not None and len(self.size) == len(self.plan.size):
+            return self.plan.in_order()
+        return _in_order(np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64))
+
     def rows(self, first: int, last: int, to: list[int]) -> _HostChunks:
         """Rows [first, last) as chunks of their own, bound for addresses ``to``."""
         part = _HostChunks()
@@ -241,6 +254,15 @@ class _HostChunks:
     def mismatch(self, where: str, j: int, found: int) -> Exception:
         """The error for chunk ``j`` reading as ``found``."""
         return chunk_mismatch(where, self.entry[j], self.index[j], found, self.cs[j], self.want[j])
+
+
+def _in_order(frm: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """The rows by offset, and the offset of the first that overlaps the one before it in
+    that order (None: none does; then no two overlap)."""
+    order = np.argsort(frm, kind="stable")
+    start, end = frm[order], (frm + size)[order]
+    bad = np.flatnonzero(start[1:] < end[:-1])
+    return order, (int(start[bad[0] + 1]) if bad.size else None)
 
 
 def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
@@ -319,17 +341,15 @@ class Source:
 
     def _received_into(self, chunks: _HostChunks) -> None:
         """``scatter`` the queued host chunks into their targets, then check each there."""
-        order = sorted(range(len(chunks.frm)), key=chunks.frm.__getitem__)
-        end = 0
-        for j in order:  # entries never overlap in a checked manifest; refuse if they do
-            if chunks.frm[j] < end:
-                raise ManifestError(f"{self.where}: entries overlap at byte {chunks.frm[j]}")
-            end = chunks.frm[j] + chunks.size[j]
+        order, overlap = chunks.in_order()
+        if overlap is not None:  # entries never overlap in a checked manifest; refuse if they do
+            raise ManifestError(f"{self.where}: entries overlap at byte {overlap}")
         if self.opener is not None and _native is not None:
             self._read_into(chunks)
             return
         assert self.scatter is not None
-        self.scatter([(chunks.frm[j], chunks.to[j], chunks.size[j]) for j in order])
+        frm, to, size = chunks.frm, chunks.to, chunks.size
+        self.scatter([(frm[j], to[j], size[j]) for j in order.tolist()])
         self._check_in_place(chunks)
 
     def _check_in_place(self, chunks: _HostChunks) -> None:

@@ -59,6 +59,7 @@ Key = tuple[int, int]
 """A snapshot's (generation, step)."""
 
 _SHARD = operator.attrgetter("shard")
+_STORED_AT = operator.attrgetter("stored_at")
 
 
 def steps_of(held: dict[Key, Lineage], lineage: Lineage | None) -> set[int]:
@@ -316,7 +317,7 @@ async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
     itself is read when the restore asks for it. Entries another rank stores for this one
     need the whole data read: then (manifest, data)."""
     manifest = await tier_io.read_manifest(tier, job, step, rank, gen, run_)
-    if any(e.stored_at is not None for e in manifest.entries):
+    if not set(map(_STORED_AT, bare_entries(manifest.entries))) <= {None}:
         return await tier_io.data_of(tier, manifest)
     await tier_io.check_data_size(tier, manifest)
     return manifest, None
