@@ -183,3 +183,31 @@ def reference3(tmp_path_factory) -> str:
     run = run_job(tmp_path_factory.mktemp("ref3"), "ref3", nodes=3, node_env=({}, {}, {}))
     assert run.codes == [0, 0, 0] and run.digest, explain(run)
     return run.digest
+
+
+def in_forked_child(fn, timeout: float = 60) -> bool:
+    """Whether ``fn()`` returned true in a forked child of this process, which must finish
+    within ``timeout`` seconds (killed, and an AssertionError, where it hangs). The child
+    leaves with ``os._exit``: no torch op belongs in ``fn`` (libgomp's hang in a child whose
+    parent's OpenMP team has run)."""
+    import select
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = 0
+        try:
+            ok = int(bool(fn()))
+        finally:
+            os.write(write, bytes([ok]))
+            os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        assert ready, "the forked child hung"
+        return os.read(read, 1) == b"\x01"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

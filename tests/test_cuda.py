@@ -518,15 +518,21 @@ def test_a_large_state_round_trips_at_speed(shm_dir):
         assert {k: v.sum().item() for k, v in fresh.state_dict().items()} == expected
 
 
-def test_thousands_of_tensors_round_trip_in_batched_copies(shm_dir):
+def _many_on_gpu(numel: int) -> dict:
+    """1,000 GPU parameters of ``numel`` floats and their AdamW state, stepped once."""
     torch.manual_seed(0)
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(97, device="cuda"))
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel, device="cuda"))
                                     for _ in range(1000)])  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     for p in model:
         p.grad = torch.randn_like(p)
     opt.step()
-    state = {"model": model, "optim": opt}
+    return {"model": model, "optim": opt}
+
+
+def test_thousands_of_tensors_round_trip_in_batched_copies(shm_dir):
+    state = _many_on_gpu(97)
+    model, opt = state["model"], state["optim"]
     with Checkpointer(job="many", overlap=True) as ck:
         for step in range(3):
             ck.save(step, state)
@@ -634,14 +640,8 @@ def test_thousands_of_gpu_tensors_restore_in_batched_uploads_and_refuse_a_flippe
     from flashckpt.restore import device_upload
     from flashckpt.snapshot.slots import read_locked
 
-    torch.manual_seed(0)
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(257, device="cuda"))
-                                    for _ in range(1000)])  # fmt: skip
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    for p in model:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = _many_on_gpu(257)
+    model = state["model"]
     stage = device_upload.STAGE
     device_upload.STAGE = 64 << 10
     try:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import platform
 import random
-import select
 import shutil
-import signal
 
 import crc32c
 import numpy as np
 import pytest
 import torch
+from conftest import in_forked_child
 
 from flashckpt.restore import entry_copy
 
@@ -163,27 +162,13 @@ def test_shares_run_on_torchs_openmp_team_but_never_in_a_forked_child():
     src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     cols = _rows(src, dst, [(0, 0, 2 << 20), (2 << 20, 2 << 20, 2 << 20)])
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no torch op (libgomp's own would hang here), report, leave
-        ok = 0
-        try:
-            copied = native.copy_checked(*cols, 0, 2, src.data_ptr(), 2)
-            ok = int(not native.team() and copied == (-1, 0)
-                     and dst.numpy().tobytes() == src.numpy().tobytes())  # fmt: skip
-        finally:
-            os.write(write, bytes([ok]))
-            os._exit(0)
-    os.close(write)
-    try:
-        ready, _, _ = select.select([read], [], [], 120)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        assert ready, "the forked child's copy hung"
-        assert os.read(read, 1) == b"\x01"
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
+
+    def child() -> bool:  # no torch op here (libgomp's own would hang)
+        copied = native.copy_checked(*cols, 0, 2, src.data_ptr(), 2)
+        return (not native.team() and copied == (-1, 0)
+                and dst.numpy().tobytes() == src.numpy().tobytes())  # fmt: skip
+
+    assert in_forked_child(child, timeout=120), "the forked child's copy failed"
 
 
 @needs_native

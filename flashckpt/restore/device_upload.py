@@ -72,6 +72,8 @@ def upload(
     the caller queued on its current stream. ``stage(batch)`` copies a batch of rows to their
     ``to`` addresses, checked (raising for the first bad one); ``check(rows)`` checks rows in
     place at their ``to`` addresses. Returns, or raises, once every upload queued has landed."""
+    if not rows.size:
+        return
     stream = stream_of(rt, dev)
     stream.wait_stream(rt.current_stream(dev))
     try:

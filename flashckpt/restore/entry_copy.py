@@ -115,7 +115,10 @@ def _plain_bytes(dsts: list[torch.Tensor]) -> bool:
 
 
 def _bytes_of(dst: torch.Tensor) -> torch.Tensor:
-    return dst.detach().reshape(-1).view(torch.uint8)
+    """A contiguous tensor's bytes, flat (a parameter's ``reshape`` costs three times a
+    ``detach``: a 1-D one is not reshaped)."""
+    flat = dst.detach()
+    return (flat if flat.dim() == 1 else flat.reshape(-1)).view(torch.uint8)
 
 
 def _spread(sizes: list[int]) -> list[tuple[int, int]]:
