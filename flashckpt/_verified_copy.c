@@ -337,36 +337,6 @@ static PyObject *read_checked(PyObject *self, PyObject *const *args, Py_ssize_t 
     return run_call(args, nargs, READ, "read_checked");
 }
 
-/* copy_crc(dst, src, n, value) -> copy n bytes from address src to address dst and return
- * their crc32c, continuing ``value`` (a piece of a chunk staged for a device upload). */
-static PyObject *copy_crc_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_crc takes 4 arguments");
-        return NULL;
-    }
-    unsigned long long dst = PyLong_AsUnsignedLongLong(args[0]);
-    unsigned long long src = PyLong_AsUnsignedLongLong(args[1]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    unsigned long value = PyLong_AsUnsignedLong(args[3]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "a negative size");
-        return NULL;
-    }
-    if (!have_insn) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no crc32c instruction");
-        return NULL;
-    }
-    uint32_t r = (uint32_t)value;
-#if HAVE_CRC_INSN
-    Py_BEGIN_ALLOW_THREADS
-    r = ~copy_crc((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, (size_t)n, ~r);
-    Py_END_ALLOW_THREADS
-#endif
-    return PyLong_FromUnsignedLong(r);
-}
-
 #define GIL_FREE_MIN (32 << 10) /* smaller buffers are checked holding the GIL */
 
 /* crc32c(buffer, value=0) -> the crc32c of the buffer, continuing ``value`` (a chunk's
@@ -450,8 +420,6 @@ static PyMethodDef methods[] = {
      "Check a run of chunks where they lie."},
     {"read_checked", (PyCFunction)(void (*)(void))read_checked, METH_FASTCALL,
      "Read a run of chunks of a file into their targets, each checked."},
-    {"copy_crc", (PyCFunction)(void (*)(void))copy_crc_of, METH_FASTCALL,
-     "Copy bytes between addresses and return their crc32c."},
     {"crc32c", (PyCFunction)(void (*)(void))crc32c, METH_FASTCALL, "crc32c of a buffer."},
     {"available", available, METH_NOARGS, "Whether this CPU has the crc32c instruction."},
     {"team", team, METH_NOARGS, "Whether shared runs use torch's OpenMP team."},

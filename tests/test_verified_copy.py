@@ -172,17 +172,6 @@ def test_shares_run_on_torchs_openmp_team_but_never_in_a_forked_child():
 
 
 @needs_native
-def test_copy_crc_continues_a_chunk_piece_by_piece(kernel):
-    """Pieces large and small, at aligned and unaligned targets (a staging buffer's)."""
-    src = torch.randint(0, 256, (3_000_003,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    value = 0
-    for a, b in [(0, 1_200_001), (1_200_001, 1_240_000), (1_240_000, 3_000_003)]:
-        value = native.copy_crc(dst.data_ptr() + a, src.data_ptr() + a, b - a, value)
-    assert torch.equal(dst, src) and value == crc32c.crc32c(src.numpy().tobytes())
-
-
-@needs_native
 def test_a_files_chunks_are_read_into_their_targets_checked_and_a_cut_file_is_said(tmp_path):
     """Chunks read straight from a tier's file: gaps between them read past, batches cut
     where a gap is large, a chunk that reads wrong named, a file that ends early said."""

@@ -80,7 +80,7 @@ def _writing() -> None:
 
 
 Queued = tuple[torch.Tensor, Entry, int]  # (target, entry, chunk size)
-Bad = tuple[int, int, int]  # (queued item, chunk, crc found)
+Bad = tuple[int, int]  # (the chunk's row, the crc32c found)
 
 
 @functools.cache
@@ -273,7 +273,7 @@ def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
     wait(futures)
     found = [r for f in futures if (r := f.result()) is not None]
     if found:
-        j, _, value = found[0]
+        j, value = found[0]
         raise chunks.mismatch(where, j, value)
 
 
@@ -286,12 +286,12 @@ def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> N
 
     def share(first: int, last: int, threads: int = 1) -> Bad | None:
         j, value = fn(*cols, first, last, *extra, threads)
-        return None if j < 0 else (j, 0, value)
+        return None if j < 0 else (j, value)
 
     if small or _N_WORKERS == 1 or _native.team():
         found = share(0, n, 1 if small else _N_WORKERS)
         if found is not None:
-            raise chunks.mismatch(where, found[0], found[2])
+            raise chunks.mismatch(where, found[0], found[1])
         return
     _settle(chunks, where, [_workers().submit(share, a, b) for a, b in _spread(chunks.size)])
 
@@ -367,7 +367,7 @@ class Source:
                 if want[j] >= 0 and size[j]:
                     view = memoryview((ctypes.c_char * size[j]).from_address(to[j])).cast("B")
                     if (value := crc(view)) != want[j]:
-                        return j, 0, value
+                        return j, value
             return None
 
         _settle(chunks, self.where, [_workers().submit(check, a, b) for a, b in _spread(size)])
@@ -529,7 +529,7 @@ class Source:
                 if n <= _PIECE:
                     memmove(ptr, base + at, n)  # frees the GIL
                     if crc_ >= 0 and (value := crc(data[at : at + n])) != crc_:
-                        return j, 0, value
+                        return j, value
                     continue
                 value = 0
                 for p in range(0, n, _PIECE):
@@ -538,14 +538,14 @@ class Source:
                     if crc_ >= 0:
                         value = crc(data[at + p : at + q], value)
                 if crc_ >= 0 and value != crc_:
-                    return j, 0, value
+                    return j, value
             return None
 
         spread = _spread(size) if sum(size) >= _SHARED_MIN * len(size) else [(0, len(size))]
         if len(spread) == 1:  # one share: run it here, no hand-off
             found = work(*spread[0])
             if found is not None:
-                raise chunks.mismatch(self.where, found[0], found[2])
+                raise chunks.mismatch(self.where, found[0], found[1])
             return
         _settle(chunks, self.where, [_workers().submit(work, a, b) for a, b in spread])
 
