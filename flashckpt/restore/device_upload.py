@@ -1,7 +1,7 @@
 """Uploading a snapshot's chunks into device tensors, each checked on its way.
 
 A restore into device tensors is bounded by the host-to-device copies, so the checks must
-run beside them, not between them. The chunks to upload are rows (``entry_copy._HostChunks``:
+run beside them, not between them. The chunks to upload are rows (``chunk_rows.HostChunks``:
 offset in the source, size, crc32c expected) with a byte view of its device target each:
 
 * from a page-locked source (a slot this process registered), every row is uploaded straight
@@ -67,7 +67,7 @@ def upload(
     rt: device.DeviceRuntime, dev: Hashable,
     stage: Callable[[Any], None], check: Callable[[Any], None],
 ) -> None:  # fmt: skip
-    """Upload every row of ``rows`` (a ``_HostChunks`` of offsets into ``whole``, the
+    """Upload every row of ``rows`` (a ``HostChunks`` of offsets into ``whole``, the
     source's bytes) into its byte view in ``outs``, on ``dev``'s upload stream, after what
     the caller queued on its current stream. ``stage(batch)`` copies a batch of rows to their
     ``to`` addresses, checked (raising for the first bad one); ``check(rows)`` checks rows in

@@ -13,7 +13,7 @@ every byte has landed:
   registers they pass through (AVX-512 carry-less folding), or a block at a time where it
   landed while still in the core's cache. One read of memory, and no Python per chunk,
   which at thousands of small tensors is what a restore would cost. The offsets and sizes
-  of a layout's chunks are planned once (``_HostPlan``).
+  of a layout's chunks are planned once (``chunk_rows.HostPlan``).
   Where the compiled copy is not built, a worker copies a chunk (a piece at a time for a
   large one) and checksums the bytes it just read while they are still in its cache. The
   source is read under its reader's lock (a slot's, or a private buffer), so the bytes
@@ -45,22 +45,19 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import ManifestError
-from ..format.checksum import chunk_mismatch, compiled, crc, verify_entry
-from ..format.kept import Kept
+from ..format.checksum import compiled, crc, verify_entry
 from ..format.manifest import Entry, dtype_from_name
-from ..format.sealed import bare_entries, one_per_entry
 from ..snapshot import device
 from ..snapshot.flatten import copy_into
 from . import device_upload
+from .chunk_rows import HostChunks
 
 _PIECE = 1 << 19  # host copies: checked right after its copy, while still in the core's cache
 _N_WORKERS = max(1, min(8, os.cpu_count() or 1))
 _SHARED_MIN = 48 << 10  # host chunks smaller on average are copied by one thread
-_UNCHECKED = -1  # the crc32c expected of a chunk that is not checked
 
 
 _native = compiled()  # None: chunks are copied from Python
@@ -101,9 +98,6 @@ def _byte_copyable(dst: torch.Tensor, nbytes: int) -> bool:
 
 
 _NBYTES = operator.attrgetter("nbytes")
-_OFFSET = operator.attrgetter("offset")
-_CHECKSUMS = operator.attrgetter("checksums")
-_FIRST = operator.itemgetter(0)
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
@@ -131,144 +125,7 @@ def _spread(sizes: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
 
 
-class _HostPlan:
-    """What a restore into host tensors needs of a layout's entries when every one is a
-    single chunk: their offsets and sizes, checked against the data region once. A state
-    restored again (a rollback, a restore after each fault) finds its layout's plan made."""
-
-    _kept: Kept[_HostPlan] = Kept(4, identity=True)  # by (entries, chunk size, data length)
-
-    def __init__(self, entries: Any, cs: int, data_len: int, frm: list[int], size: list[int]):
-        self.entries, self.key = entries, (cs, data_len)
-        self.frm, self.size = frm, size
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-        self._in_order: tuple[np.ndarray, int | None] | None = None
-
-    def in_order(self) -> tuple[np.ndarray, int | None]:
-        """``_in_order`` of the plan's chunks, found once."""
-        if self._in_order is None:
-            self._in_order = _in_order(*self.arrays)
-        return self._in_order
-
-    @property
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """``frm`` and ``size`` as int64 arrays, made on first use."""
-        if self._arrays is None:
-            self._arrays = (np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64))
-        return self._arrays
-
-    @classmethod
-    def of(cls, entries: Any, cs: int, data_len: int) -> _HostPlan | None:
-        """The plan of ``entries`` (a layout's, kept while it is used: the same object), or
-        None where an entry is not one chunk within ``data_len``."""
-        found = cls._kept.get((entries, cs, data_len))
-        if found is not None:
-            return found
-        size, frm = list(map(_NBYTES, entries)), list(map(_OFFSET, entries))
-        if not size or min(size) <= 0 or max(size) > cs or min(frm) < 0:
-            return None
-        if max(map(operator.add, frm, size)) > data_len:
-            return None
-        plan = cls(entries, cs, data_len, frm, size)
-        if len(size) >= 64:  # a layout's (one entry at a time, as node by node, is not kept)
-            cls._kept.put((entries, cs, data_len), plan)
-        return plan
-
-
-class _HostChunks:
-    """Chunks queued for host targets, one column per field (the usual state's thousands of
-    one-chunk entries are queued in a few C-level passes, and copied without a tuple each)."""
-
-    def __init__(self) -> None:
-        self.entry: list[Entry] = []  # whose chunk: entry, chunk size, index in the entry
-        self.cs: list[int] = []
-        self.index: list[int] = []
-        self.to: list[int] = []  # target address
-        self.frm: list[int] = []  # offset in the source's data
-        self.size: list[int] = []
-        self.want: list[int] = []  # crc32c expected; _UNCHECKED: not checked
-        self.targets: list[torch.Tensor] = []  # held until copied: ``to`` is their memory
-        self.plan: _HostPlan | None = None  # where every column but to and want is a plan's
-
-    def add(self, dst: torch.Tensor, e: Entry, cs: int, sums: tuple[int, ...] | None) -> None:
-        self.targets.append(dst)
-        ptr = dst.data_ptr()
-        for i, lo in enumerate(range(0, e.nbytes, cs)):
-            self.entry.append(e)
-            self.cs.append(cs)
-            self.index.append(i)
-            self.to.append(ptr + lo)
-            self.frm.append(e.offset + lo)
-            self.size.append(min(cs, e.nbytes - lo))
-            self.want.append(_UNCHECKED if sums is None else sums[i])
-
-    def add_small(self, dsts: list[torch.Tensor], entries: tuple[Entry, ...] | list[Entry],
-                  cs: int, data_len: int, verify: bool) -> bool:  # fmt: skip
-        """``add`` in C-level passes for the usual case: every entry one chunk, within
-        ``data_len``, with its checksum (or unverified); False (nothing added) otherwise."""
-        plan = _HostPlan.of(bare_entries(entries), cs, data_len)
-        if plan is None:
-            return False
-        n = len(plan.size)
-        if verify:
-            flat = one_per_entry(entries)  # every entry is one chunk: they are its own
-            if flat is not None:
-                self.want.extend(flat)
-            else:
-                sums = list(map(_CHECKSUMS, entries))
-                if None in sums or set(map(len, sums)) != {1}:
-                    return False
-                self.want.extend(map(_FIRST, sums))
-        else:
-            self.want.extend(itertools.repeat(_UNCHECKED, n))
-        self.plan = plan if not self.size else None  # the columns are the plan's alone
-        self.entry.extend(plan.entries)
-        self.cs.extend(itertools.repeat(cs, n))
-        self.index.extend(itertools.repeat(0, n))
-        self.targets.extend(dsts)
-        self.to.extend(map(torch.Tensor.data_ptr, dsts))
-        self.frm.extend(plan.frm)
-        self.size.extend(plan.size)
-        return True
-
-    def arrays(self) -> list[np.ndarray]:
-        """The columns to, frm, size and want as int64 arrays (a plan's own where it can)."""
-        if self.plan is not None and len(self.size) == len(self.plan.size):
-            frm, size = self.plan.arrays
-        else:
-            frm, size = np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64)
-        return [np.array(self.to, dtype=np.int64), frm, size, np.array(self.want, dtype=np.int64)]
-
-    def in_order(self) -> tuple[np.ndarray, int | None]:
-        """``_in_order`` of the chunks (a plan's, found once for its layout)."""
-        if self.plan is not None and len(self.size) == len(self.plan.size):
-            return self.plan.in_order()
-        return _in_order(np.array(self.frm, dtype=np.int64), np.array(self.size, dtype=np.int64))
-
-    def rows(self, first: int, last: int, to: list[int]) -> _HostChunks:
-        """Rows [first, last) as chunks of their own, bound for addresses ``to``."""
-        part = _HostChunks()
-        part.entry, part.cs = self.entry[first:last], self.cs[first:last]
-        part.index, part.frm = self.index[first:last], self.frm[first:last]
-        part.size, part.want = self.size[first:last], self.want[first:last]
-        part.to = to
-        return part
-
-    def mismatch(self, where: str, j: int, found: int) -> Exception:
-        """The error for chunk ``j`` reading as ``found``."""
-        return chunk_mismatch(where, self.entry[j], self.index[j], found, self.cs[j], self.want[j])
-
-
-def _in_order(frm: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, int | None]:
-    """The rows by offset, and the offset of the first that overlaps the one before it in
-    that order (None: none does; then no two overlap)."""
-    order = np.argsort(frm, kind="stable")
-    start, end = frm[order], (frm + size)[order]
-    bad = np.flatnonzero(start[1:] < end[:-1])
-    return order, (int(start[bad[0] + 1]) if bad.size else None)
-
-
-def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
+def _settle(chunks: HostChunks, where: str, futures: list) -> None:
     """Wait for every worker's share; raise for the first chunk found bad."""
     wait(futures)
     found = [r for f in futures if (r := f.result()) is not None]
@@ -277,7 +134,7 @@ def _settle(chunks: _HostChunks, where: str, futures: list) -> None:
         raise chunks.mismatch(where, j, value)
 
 
-def _run_native(chunks: _HostChunks, where: str, fn: Callable, *extra: int) -> None:
+def _run_native(chunks: HostChunks, where: str, fn: Callable, *extra: int) -> None:
     """Run the compiled ``fn`` (``copy_checked``, ``checked_at``, ``read_checked``) over
     every chunk, shared out over ``_N_WORKERS`` threads where there is more than a piece's
     worth of bytes: in one call on torch's OpenMP team, else a share per restore worker."""
@@ -321,10 +178,10 @@ class Source:
     opener: Callable[[], int] | None = field(default=None, repr=False)  # a file's descriptor
     _queued: list[Queued] = field(default_factory=list, repr=False)  # device targets
     # Device targets queued a layout at a time: (device, rows, each row's target bytes).
-    _uploads: list[tuple[Hashable, _HostChunks, list[torch.Tensor]]] = field(
+    _uploads: list[tuple[Hashable, HostChunks, list[torch.Tensor]]] = field(
         default_factory=list, repr=False
     )
-    _chunks: _HostChunks = field(default_factory=lambda: _HostChunks(), repr=False)
+    _chunks: HostChunks = field(default_factory=lambda: HostChunks(), repr=False)
 
     def __post_init__(self) -> None:
         if self.data is not None:
@@ -342,7 +199,7 @@ class Source:
                                     f"says {self.size}; restore from another tier or an older step")  # fmt: skip
         return self.data
 
-    def _received_into(self, chunks: _HostChunks) -> None:
+    def _received_into(self, chunks: HostChunks) -> None:
         """``scatter`` the queued host chunks into their targets, then check each there."""
         order, overlap = chunks.in_order()
         if overlap is not None:  # entries never overlap in a checked manifest; refuse if they do
@@ -355,7 +212,7 @@ class Source:
         self.scatter([(frm[j], to[j], size[j]) for j in order.tolist()])
         self._check_in_place(chunks)
 
-    def _check_in_place(self, chunks: _HostChunks) -> None:
+    def _check_in_place(self, chunks: HostChunks) -> None:
         """Check every chunk where it is, at its ``to`` address; raise for the first bad."""
         if _native is not None:
             _run_native(chunks, self.where, _native.checked_at)
@@ -372,7 +229,7 @@ class Source:
 
         _settle(chunks, self.where, [_workers().submit(check, a, b) for a, b in _spread(size)])
 
-    def _read_into(self, chunks: _HostChunks) -> None:
+    def _read_into(self, chunks: HostChunks) -> None:
         """Read every chunk from the data region's file into its target, checked as it lands
         (the compiled copy), one share of the chunks per worker."""
         assert self.opener is not None and _native is not None
@@ -433,7 +290,7 @@ class Source:
             raise ValueError(f"{len(dsts)} targets for {len(entries)} entries")
         plain = plain or _plain_bytes(dsts)
         if on_device is not None and plain:
-            rows = _HostChunks()
+            rows = HostChunks()
             if rows.add_small(dsts, entries, chunk_size, self.size, self.verify):
                 self._uploads.append((on_device, rows, list(map(_bytes_of, dsts))))
                 return
@@ -465,7 +322,7 @@ class Source:
 
     def flush(self) -> None:
         """Copy everything queued, verified; returns once it has landed."""
-        chunks, self._chunks = self._chunks, _HostChunks()
+        chunks, self._chunks = self._chunks, HostChunks()
         queued, self._queued = self._queued, []
         uploads, self._uploads = self._uploads, []
         if chunks.size or queued or uploads:
@@ -482,10 +339,10 @@ class Source:
         for dev, rows, outs in uploads:
             self._upload(rows, outs, rt, dev)
 
-    def _device_rows(self, items: list[Queued]) -> tuple[_HostChunks, list[torch.Tensor]]:
+    def _device_rows(self, items: list[Queued]) -> tuple[HostChunks, list[torch.Tensor]]:
         """The chunks of device targets ``items`` as rows, and each row's byte view of its
         target."""
-        rows, outs = _HostChunks(), []
+        rows, outs = HostChunks(), []
         for dst, e, cs in items:
             out = _bytes_of(dst)
             rows.add(dst, e, cs, e.checksums if self.verify else None)
@@ -495,7 +352,7 @@ class Source:
                 outs.extend(out[lo : lo + cs] for lo in range(0, e.nbytes, cs))
         return rows, outs
 
-    def _copy_host(self, chunks: _HostChunks) -> None:
+    def _copy_host(self, chunks: HostChunks) -> None:
         """Copy and check every chunk of ``chunks`` into host memory: each chunk's bytes are
         checked as they are copied, by the compiled copy on every worker at once (it runs
         without the GIL), or from Python where it is not built."""
@@ -506,7 +363,7 @@ class Source:
             return
         self._copy_bytes(chunks, self.bytes())
 
-    def _copy_bytes(self, chunks: _HostChunks, whole: torch.Tensor) -> None:
+    def _copy_bytes(self, chunks: HostChunks, whole: torch.Tensor) -> None:
         """Copy every chunk from ``whole`` (the data region) to its ``to`` address, checked
         as it is copied; raise for the first bad."""
         if _native is not None:
@@ -514,7 +371,7 @@ class Source:
             return
         self._copy_host_python(chunks, whole)
 
-    def _copy_host_python(self, chunks: _HostChunks, whole: torch.Tensor) -> None:
+    def _copy_host_python(self, chunks: HostChunks, whole: torch.Tensor) -> None:
         """``_copy_host`` in Python: spread over the workers where the chunks are large;
         chunks smaller than ``_SHARED_MIN`` on average are done here in turn (two threads
         handing the GIL back and forth per small chunk cost more than they share)."""
@@ -549,7 +406,7 @@ class Source:
             return
         _settle(chunks, self.where, [_workers().submit(work, a, b) for a, b in spread])
 
-    def _upload(self, rows: _HostChunks, outs: list[torch.Tensor], rt: device.DeviceRuntime,
+    def _upload(self, rows: HostChunks, outs: list[torch.Tensor], rt: device.DeviceRuntime,
                 dev: Hashable) -> None:  # fmt: skip
         """Every row of ``rows`` uploaded into its byte view in ``outs`` on ``dev``, checked on
         its way (``device_upload``); raises for the first bad chunk once nothing is in flight."""
