@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from conftest import in_forked_child
 
@@ -24,6 +25,19 @@ def test_private_loops_run_blocking_calls_on_one_pool_that_outlives_them():
     assert names <= kept  # threads the pool had already: none started for a loop
     pool = sources._blocking_pool()
     assert not pool._shutdown  # closing each loop left it running
+
+
+def test_the_kept_pool_never_grows():
+    """Its threads are started with it: many blocking calls at once start no more."""
+    sources.run_private(asyncio.to_thread(_thread_name))
+    before = [t for t in threading.enumerate() if t.name.startswith("flashckpt-tier-io")]
+
+    async def many() -> None:
+        await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.01) for _ in range(40)))
+
+    sources.run_private(many())
+    after = [t for t in threading.enumerate() if t.name.startswith("flashckpt-tier-io")]
+    assert before and after == before
 
 
 def test_a_forked_child_gets_pools_of_its_own():

@@ -20,6 +20,7 @@ import functools
 import logging
 import operator
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -268,8 +269,15 @@ def _blocking_pool() -> ThreadPoolExecutor:
     """The threads a private loop's blocking calls (a tier's reads, listings) run on, kept
     from one restore to the next: a loop's own pool started a thread per call and joined
     them at its end, and on a busy node each start waited for a core (a few milliseconds a
-    restore from a tier). A forked child makes its own (its parent's threads stayed behind)."""
-    return _KeptPool(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="flashckpt-tier-io")
+    restore from a tier). Its threads are all started at once, so a process's thread count
+    stays level from one restore to the next (a pool growing lazily looks like a leak). A
+    forked child makes its own (its parent's threads stayed behind)."""
+    n = min(8, (os.cpu_count() or 1) + 4)
+    pool = _KeptPool(n, thread_name_prefix="flashckpt-tier-io")
+    started = threading.Barrier(n)
+    for _ in range(n):  # each call finds every thread before it busy: a new one starts
+        pool.submit(started.wait, 30)
+    return pool
 
 
 os.register_at_fork(after_in_child=_blocking_pool.cache_clear)
