@@ -249,10 +249,10 @@ class Checkpointer:
             layout = self._layout = walked.layout
             if self._entries_json[0] is not layout:
                 self._entries_json = (layout, encode_entries(layout.entries))
-            raw = Manifest(self.job, self.rank, 0, walked.tree, layout.entries,
-                           layout.data_len).to_json(self._entries_json[1], walked.tree_json)  # fmt: skip
-            capacity = required_capacity(layout.data_len, len(raw), layout.n_chunks) + max(
-                _MANIFEST_HEADROOM, len(raw)
+            raw_len = Manifest(self.job, self.rank, 0, walked.tree, layout.entries,
+                               layout.data_len).json_size(self._entries_json[1], walked.tree_json)  # fmt: skip
+            capacity = required_capacity(layout.data_len, raw_len, layout.n_chunks) + max(
+                _MANIFEST_HEADROOM, raw_len
             )
             self._settle()
             self._pair.claim()

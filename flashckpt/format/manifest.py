@@ -171,6 +171,15 @@ class Manifest:
         earlier (a save of an unchanged layout reuses it: at thousands of tensors encoding
         the entries costs more than copying small ones); ``tree_json``: the tree's JSON, made
         by the caller (then it stands for ``tree``)."""
+        return "".join(self._json_parts(entries_json, tree_json)).encode()
+
+    def json_size(self, entries_json: str | None = None, tree_json: str | None = None) -> int:
+        """``len(self.to_json(entries_json, tree_json))``, without making the text (a
+        megabyte at thousands of tensors, where only its size is wanted)."""
+        return sum(len(p) if p.isascii() else len(p.encode()) for p in self._json_parts(
+            entries_json, tree_json))  # fmt: skip
+
+    def _json_parts(self, entries_json: str | None, tree_json: str | None) -> tuple[str, ...]:
         # Built by hand: dataclasses.asdict deep-copies the tree and costs milliseconds per
         # save for a real model's state; the tree is JSON-ready already.
         if tree_json is None:  # the tree last, as its own text: a reader checks it once
@@ -185,8 +194,8 @@ class Manifest:
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False)
         if entries_json is None:
             entries_json = encode_entries(self.entries)
-        tree = "" if tree_json is None else f',"tree":{tree_json}'
-        return f'{head[:-1]}{tree},"entries":{entries_json}}}'.encode()
+        tree = () if tree_json is None else (',"tree":', tree_json)
+        return (head[:-1], *tree, ',"entries":', entries_json, "}")
 
     @classmethod
     def from_json(
