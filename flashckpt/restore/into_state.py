@@ -7,11 +7,13 @@ if there is none does ``run`` copy the bytes, verifying each entry's checksums f
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from itertools import chain
+from functools import partial
+from itertools import chain, compress, repeat
 from typing import Any
 
 import numpy as np
@@ -29,12 +31,15 @@ from ..snapshot.flatten import (
     join,
     tensor_source,
 )
+from ..snapshot.state_dicts import state_dict_of
 from ..snapshot.steady import Walked
 from . import optim_state
 from .entry_copy import Source
 from .reshard import Resharder
 
 Producer = Callable[["Source"], Any]
+_GRAD = operator.attrgetter("grad")
+_NOT_NONE = partial(operator.is_not, None)
 MAX_LISTED = 10
 
 
@@ -167,7 +172,7 @@ class Planner:
         fresh = optim_state.needs_state(target, indices, device.runtime().is_device_tensor)
         if fresh and optim_state.create_state(target, indices):
             self.created.append(target)
-        template = target.state_dict()
+        template = state_dict_of(target)
         # A module's keys are its contract; an optimizer fills its state lazily, so a fresh one
         # has none of the keys the snapshot holds and its own load_state_dict judges them.
         strict = isinstance(target, torch.nn.Module)
@@ -332,37 +337,43 @@ class Planner:
         return produce
 
 
-def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source) -> None:
+def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source,
+                    grads_dropped: bool = False) -> None:  # fmt: skip
     """Finish restoring Stateful ``target`` once ``sd`` (its ``state_dict()``, filled in place
-    and given the snapshot's other values) is produced: load it where that is needed."""
+    and given the snapshot's other values) is produced: load it where that is needed.
+    ``grads_dropped``: the caller dropped its gradients (``drop_grads``) already."""
     if needs_load and not optim_state.loaded_in_place(target, sd):  # reads no tensor value
         src.flush()  # the copies land before load_state_dict() sees the tensors
         target.load_state_dict(sd)
-    if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+    if not grads_dropped:
         # Gradients are no part of a snapshot: none survive a rollback (a step cut short by
         # a fault would otherwise add its own to the next one's).
         drop_grads(target)
 
 
-def drop_grads(target: torch.nn.Module | torch.optim.Optimizer) -> None:
-    """``target.zero_grad(set_to_none=True)``. Where the class keeps torch's own, its
-    parameters are walked directly: torch's walk (a generator of named members, a set of
-    those seen) costs more than the restore's copies at thousands of parameters."""
+def drop_grads(target: Any) -> None:
+    """``target.zero_grad(set_to_none=True)`` for a module or an optimizer (anything else
+    keeps what it has). Where the class keeps torch's own, its parameters are walked
+    directly: torch's walk (a generator of named members, a set of those seen) costs more
+    than the restore's copies at thousands of parameters."""
+    params: Iterable[Any]
     if isinstance(target, torch.nn.Module):
         if type(target).zero_grad is not torch.nn.Module.zero_grad:
             target.zero_grad(set_to_none=True)
             return
-        params: Iterable[Any] = chain.from_iterable(
-            m._parameters.values() for m in target.modules()
-        )
+        params = chain.from_iterable(m._parameters.values() for m in target.modules())
+    elif not isinstance(target, torch.optim.Optimizer):
+        return
     elif type(target).zero_grad is not torch.optim.Optimizer.zero_grad:
         target.zero_grad(set_to_none=True)
         return
     else:
         params = chain.from_iterable(g["params"] for g in target.param_groups)
-    for p in params:
-        if p is not None and p.grad is not None:
-            p.grad = None
+    # Read in C-level passes (a Python loop's read is a microsecond a parameter); a rollback
+    # finds the grads of the step cut short, a restore again finds none.
+    params = list(filter(_NOT_NONE, params))
+    for p in compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))):
+        p.grad = None
 
 
 def _saved_keys(node: Any) -> set[Any]:

@@ -27,7 +27,7 @@ from ..snapshot import device
 from ..snapshot.flatten import Layout
 from ..snapshot.steady import Walked
 from .entry_copy import Source
-from .into_state import Producer, finish_stateful
+from .into_state import Producer, drop_grads, finish_stateful
 
 _IS_CPU = operator.attrgetter("is_cpu")
 _KEY = operator.attrgetter(
@@ -75,10 +75,12 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     plain = walked.plain
 
     def produce(src: Source) -> None:
+        for target, _, _ in statefuls:  # while the walk's reads of them are in the caches
+            drop_grads(target)
         # The walk checked each tensor's dtype, shape and device against the layout's.
         src.copy_many(tensors, entries, cs, host_sized=host, plain=plain, on_device=on_device)
         for target, sd, has_scalars in statefuls:  # innermost first, as node by node
             needs_load = has_scalars or not isinstance(target, torch.nn.Module)
-            finish_stateful(target, sd, needs_load, src)
+            finish_stateful(target, sd, needs_load, src, grads_dropped=True)
 
     return produce

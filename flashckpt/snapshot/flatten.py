@@ -17,6 +17,7 @@ import torch
 
 from ..format.manifest import MAX_TREE_DEPTH, Entry, ShardInfo, dtype_name, encode_scalar
 from ..format.slot import align
+from .state_dicts import state_dict_of
 
 
 def is_dtensor(t: object) -> bool:
@@ -112,7 +113,8 @@ def tensor_source(t: Any, path: str) -> tuple[torch.Tensor, ShardInfo | None]:
         shard, t = t.shard, t.local
     elif is_dtensor(t):
         shard = _shard_info(t)
-        t = t.to_local()
+        with torch.no_grad():  # a parameter's own (keep_vars): no autograd node for its block
+            t = t.to_local()
     if t.layout != torch.strided:
         raise TypeError(
             f"{path}: tensors of layout {t.layout} are not supported; densify them first"
@@ -186,7 +188,7 @@ class Flattener:
                 "items": [self.node(v, join(path, i), depth + 1) for i, v in enumerate(value)],
             }
         if is_stateful(value):
-            return {"t": "stateful", "v": self.node(value.state_dict(), path, depth + 1)}
+            return {"t": "stateful", "v": self.node(state_dict_of(value), path, depth + 1)}
         try:
             return encode_scalar(value)
         except TypeError:

@@ -41,6 +41,7 @@ from .flatten import (
     plan_layout,
 )
 from .flatten import tensor_source as _tensor_source
+from .state_dicts import state_dict_of
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout")
 _SCALAR_TYPES = frozenset((type(None), bool, int, float, str, torch.dtype, torch.device))
@@ -75,7 +76,7 @@ def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, ...
     if tag == "stateful":
         if not is_stateful(value):
             raise Unfit(path)
-        sd, before = value.state_dict(), len(scalars)
+        sd, before = state_dict_of(value), len(scalars)
         child = _compile(node["v"], sd, path, spots, got)
         statefuls.append((value, sd, len(scalars) != before))  # after what it nests
         return ("F", child, len(scalars) != before)
@@ -163,7 +164,7 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list,
     elif kind == "F":
         if not is_stateful(value):
             raise Unfit
-        sd = value.state_dict()
+        sd = state_dict_of(value)
         _run(op[1], sd, tensors, scalars, shards, statefuls)
         statefuls.append((value, sd, op[2]))
     else:  # "D"
@@ -184,6 +185,9 @@ def _same_mapping(op: tuple, value: Any) -> list:
     return list(value.values())
 
 
+_REMADE = 4  # the compiled check is made at most this many times a layout
+
+
 class _SameMeta:
     """Whether a walk's tensors have the dtypes, shapes, devices and layouts the compile found.
 
@@ -197,7 +201,8 @@ class _SameMeta:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.meta = list(map(_META, tensors))
         self.guard: Any = None
-        self.compared = 0
+        self.compared = 0  # Python comparisons passed since the check was last made
+        self.made = 0  # checks made (none is made again once one could not be)
         # Whether the tensors the check was made from were all plain bytes (contiguous, no
         # conjugate or negative bit): tensors it passes have their strides and dispatch keys.
         self.plain = False
@@ -215,8 +220,13 @@ class _SameMeta:
         if list(map(_META, tensors)) != self.meta:
             return False
         self.compared += 1
-        if self.compared == 1:  # the layout is steady: worth the check's making (5 us a tensor)
-            self.guard = _compiled_check(tensors)
+        # Made once the layout is steady (5 us a tensor), and again, a few times at most,
+        # where two walks passed in Python that it refused: a flag it checks changed (a
+        # parameter frozen or unfrozen, an optimizer's state replaced with other strides).
+        if self.compared == (1 if not self.made else 2) and (
+            not self.made or (self.guard is not None and self.made < _REMADE)
+        ):
+            self.guard, self.made, self.compared = _compiled_check(tensors), self.made + 1, 0
             self.plain = self.guard is not None and _plain(tensors)
         return True
 
