@@ -370,10 +370,16 @@ class Slot:
         return bytes(self._mm[h.manifest_off : h.manifest_off + h.manifest_len])
 
     def checksums(self, h: SlotHeader) -> tuple[int, ...] | None:
+        raw = self.checksum_bytes(h)
+        return None if raw is None else struct.unpack(f"<{h.n_chunks}I", raw)
+
+    def checksum_bytes(self, h: SlotHeader) -> bytes | None:
+        """The sealed snapshot's chunk checksums as stored (little-endian uint32s); None if
+        it is not sealed. Compared as bytes, they cost a memcmp, not an int a chunk."""
         if not h.sealed:
             return None
         self._within(h, h.checksum_off + 4 * h.n_chunks)
-        return struct.unpack_from(f"<{h.n_chunks}I", self._mm, h.checksum_off)
+        return bytes(self._mm[h.checksum_off : h.checksum_off + 4 * h.n_chunks])
 
     def data(self, h: SlotHeader) -> memoryview:
         """Zero-copy view of the tensor bytes of the snapshot ``h`` describes."""

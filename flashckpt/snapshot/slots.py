@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import re
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -121,15 +122,16 @@ class Snapshot:
         return self.slot.seq() == self.header.seq
 
 
-_PARSED: Kept[Manifest] = Kept(4)  # by (manifest bytes, checksums)
+_PARSED: Kept[Manifest] = Kept(4)  # by (manifest bytes, checksums' bytes)
 
 
-def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader) -> Manifest:
-    """The manifest of ``raw`` with checksums ``sums``, parsed and checked once per distinct
-    bytes: a restore reads each slot's manifest when it lists the snapshots and again when it
-    loads one, and at thousands of entries a parse costs tens of milliseconds. The same bytes
-    parse to the same manifest, so what was checked stands (a failure is never kept); the
-    header is checked against it on every read."""
+def _parsed(raw: bytes, sums: bytes | None, slot: Slot, h: SlotHeader) -> Manifest:
+    """The manifest of ``raw`` with checksums ``sums`` (as stored: ``Slot.checksum_bytes``),
+    parsed and checked once per distinct bytes: a restore reads each slot's manifest when it
+    lists the snapshots and again when it loads one, and at thousands of entries a parse
+    costs tens of milliseconds. The same bytes parse to the same manifest, so what was
+    checked stands (a failure is never kept); the header is checked against it on every
+    read."""
     key = (raw, sums)
     manifest = _PARSED.get(key)
     fresh = manifest is None
@@ -144,7 +146,7 @@ def _parsed(raw: bytes, sums: tuple[int, ...] | None, slot: Slot, h: SlotHeader)
         )
     if fresh:
         if sums is not None:
-            manifest = manifest.with_checksums(sums)
+            manifest = manifest.with_checksums(struct.unpack(f"<{len(sums) // 4}I", sums))
         _PARSED.put(key, manifest)
     return manifest
 
@@ -162,7 +164,7 @@ def read_locked(slot: Slot, timeout: float = 5.0) -> Iterator[Snapshot | None]:
             yield None
             return
         raw = slot.manifest_bytes(h)
-        manifest = _parsed(raw, slot.checksums(h), slot, h)
+        manifest = _parsed(raw, slot.checksum_bytes(h), slot, h)
         yield Snapshot(slot, h, manifest)
     finally:
         slot.unlock()
