@@ -31,16 +31,19 @@ def many(n: int, seed: int = 0) -> dict:
     return {"model": model, "optim": opt}
 
 
-def values(state: dict) -> list[torch.Tensor]:
-    out = [p.detach().clone() for p in state["model"]]
+def values(state: dict) -> list:
+    """The state's values in order: tensors cloned, an optimizer state's scalars as they are."""
+    out: list = [p.detach().clone() for p in state["model"]]
     for st in state["optim"].state.values():
-        out += [v.clone() for v in st.values()]
+        out += [v.clone() if isinstance(v, torch.Tensor) else v for v in st.values()]
     return out
 
 
-def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+def assert_same(a: list, b: list) -> None:
     assert len(a) == len(b)
-    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for x, y in zip(a, b, strict=True):
+        assert type(x) is type(y)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
 class Counted:
@@ -289,6 +292,65 @@ def test_the_steady_walk_follows_scalars_and_falls_back_on_any_change(shm_dir):
         assert ck.restore(got, strict=False)[0] == 8
         assert got["meta"]["flag"] == 1 and type(got["meta"]["flag"]) is int
         assert torch.equal(got["meta"]["new"], torch.arange(3))
+
+
+def test_an_optimizers_state_is_walked_in_one_pass_and_any_change_in_it_walks_in_full(shm_dir):
+    """An optimizer's per-parameter states (dicts of one type, the same keys, tensors only)
+    are checked and collected in a few C-level passes; a key added, dropped, renamed or of
+    another type, a state of another mapping type, or a value no longer a tensor in any one
+    of them walks the state in full, and every save restores as saved."""
+    from collections import OrderedDict
+
+    state = many(80)
+    states = state["optim"].state
+    one = list(states.values())[7]
+    changes = [
+        lambda: one.__setitem__("extra", torch.zeros(2)),  # a key added
+        lambda: one.pop("extra"),  # and dropped again: the compiled walk's keys come back
+        lambda: one.__setitem__("exp_avg", 0.5),  # a tensor replaced by a scalar
+        lambda: one.__setitem__("exp_avg", torch.zeros_like(one["exp_avg_sq"])),
+        lambda: states.__setitem__(state["model"][3], OrderedDict(states[state["model"][3]])),
+    ]
+    with Checkpointer(job="optim-walk") as ck:
+        walker = ck._walker
+        ck.save(0, state)
+        ck.save(1, state)
+        assert walker.full_walks == 1
+        assert "MD" in repr(walker._program)  # the optimizer's state, as one op
+        for step, change in enumerate(changes, start=2):
+            change()
+            before = walker.full_walks
+            ck.save(step, state)
+            assert walker.full_walks == before + 1, step
+            ck.wait(step)
+            target = many(80, seed=step)
+            target["optim"].load_state_dict(state["optim"].state_dict())
+            assert ck.restore(target) == step
+            assert_same(values(target), values(state))
+    # Keys in another order, or equal to the compiled ones but of another type (True where 1
+    # was), are no match either.
+    numbered = {"s": {i: {0: torch.full((2,), float(i)), 1: torch.ones(2)} for i in range(4)}}
+    with Checkpointer(job="optim-walk-keys") as ck:
+        walker = ck._walker
+        ck.save(0, numbered)
+        ck.save(1, numbered)
+        assert walker.full_walks == 1 and "MD" in repr(walker._program)
+        inner = numbered["s"][2]
+        numbered["s"][2] = {0: inner[0], True: inner[1]}  # True == 1, another type
+        ck.save(2, numbered)
+        assert walker.full_walks == 2
+        numbered["s"][2] = inner
+        ck.save(3, numbered)
+        assert walker.full_walks == 3 and "MD" in repr(walker._program)
+        inner[0] = inner.pop(0)  # the same keys, 1 then 0
+        ck.save(4, numbered)
+        assert walker.full_walks == 4
+        ck.wait(4)
+        got = {"s": {i: {0: torch.zeros(2), 1: torch.zeros(2)} for i in range(4)}}
+        got["s"][2] = {1: torch.zeros(2), 0: torch.zeros(2)}
+        assert ck.restore(got) == 4
+        assert torch.equal(got["s"][2][0], torch.full((2,), 2.0))
+        assert torch.equal(got["s"][2][1], torch.ones(2))
 
 
 def test_the_compiled_check_of_tensor_metadata_sees_every_change_the_python_one_sees(shm_dir):

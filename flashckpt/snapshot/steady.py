@@ -24,6 +24,7 @@ import json
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -61,6 +62,9 @@ class Unfit(Exception):
 # ("I", n)                      a list of n ints (an optimizer's parameter ids): one scalar
 # ("TD", cls, keys, key_types)  a mapping whose values are all plain tensors
 # ("M", cls, keys, key_types, children)
+# ("MD", cls, keys, key_types, inner_cls, inner_keys, inner_key_type)
+#                               a mapping whose values are all "TD" mappings of one type with
+#                               the same keys, all of one type (an optimizer's state)
 # ("L", cls, children)          a list or tuple
 # ("F", child, scalars)         a Stateful object: child runs on its state_dict(); scalars:
 #                               whether any scalar op is under it
@@ -109,6 +113,11 @@ def _compile(node: Any, value: Any, path: str, spots: list, got: tuple[list, ...
         for k, pair, v in zip(keys, items, value.values(), strict=True):
             children.append(_compile(pair[1], v, f"{path}/{k}", spots, got))
             _spot(pair, 1, spots, children[-1])  # in walk order, after what it nests
+        if children and all(op[0] == "TD" for op in children):
+            alike = {(op[1], tuple(op[2]), tuple(op[3])) for op in children}
+            _, cls, inner_keys, inner_types = children[0]
+            if len(alike) == 1 and len(set(inner_types)) == 1:
+                return ("MD", type(value), keys, key_types, cls, inner_keys, inner_types[0])
         return ("M", type(value), keys, key_types, children)
     if tag in ("list", "tuple"):
         if type(value) is not (list if tag == "list" else tuple):
@@ -142,6 +151,15 @@ def _run(op: tuple, value: Any, tensors: list, scalars: list, shards: list,
         tensors.append(value)
     elif kind == "TD":
         vals = _same_mapping(op, value)
+        if not set(map(type, vals)) <= _PLAIN_SET:
+            raise Unfit
+        tensors.extend(vals)
+    elif kind == "MD":  # an optimizer's state: checked and collected in C-level passes
+        inner, cls, keys = _same_mapping(op, value), op[4], op[5]
+        if (set(map(type, inner)) != {cls} or not all(map(keys.__eq__, map(list, inner)))
+                or set(map(type, chain.from_iterable(inner))) != {op[6]}):  # fmt: skip
+            raise Unfit
+        vals = list(chain.from_iterable(map(cls.values, inner)))
         if not set(map(type, vals)) <= _PLAIN_SET:
             raise Unfit
         tensors.extend(vals)
