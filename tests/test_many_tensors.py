@@ -512,6 +512,11 @@ def test_manifests_with_the_entries_anywhere_are_read_alike():
     bad = ours.replace(b'"nbytes":12', b'"nbytes":13')
     with pytest.raises(ManifestError, match="nbytes"):
         Manifest.from_json(bad)
+    # Its size, as a restore counts it to size the slots, without writing it out; with a
+    # tree whose text is not ASCII too.
+    for entries_json, tree_json in ((None, None), (None, json.dumps(tree)),
+                                    (None, '{"t":"str","v":"\u00e9t\u00e9 \u65e5"}')):  # fmt: skip
+        assert m.json_size(entries_json, tree_json) == len(m.to_json(entries_json, tree_json))
 
 
 def test_the_sealers_cpu_time_is_counted(shm_dir):

@@ -101,7 +101,9 @@ def test_a_modules_tensors_are_its_own_unless_a_hook_could_mind():
     seen = []
     model[1].register_state_dict_post_hook(lambda m, sd, prefix, meta: seen.append(sd))
     hooked = state_dict_of(model)
-    assert seen and not hooked["0.weight"].requires_grad and hooked["0.weight"] is not own["0.weight"]
+    assert (
+        seen and not hooked["0.weight"].requires_grad and hooked["0.weight"] is not own["0.weight"]
+    )
     plain = torch.nn.Linear(2, 2)
     plain.register_state_dict_pre_hook(lambda m, prefix, keep_vars: seen.append(keep_vars))
     assert not state_dict_of(plain)["weight"].requires_grad and seen[-1] is False
