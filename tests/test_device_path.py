@@ -6,6 +6,7 @@ behaviour on a real GPU in ``test_cuda.py`` (marked ``gpu``)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import threading
@@ -258,6 +259,31 @@ def test_sources_stay_referenced_until_their_copies_land(fake):
         assert ck.wait(1, timeout=10) == 1
         ck._settle()
         assert pending.sources == []
+
+
+def test_parameters_given_new_memory_under_their_copy_leave_the_snapshot_whole(fake):
+    """The walk takes parameters as themselves; ``p.data = ...`` or ``model.to(dtype)``
+    right after an overlapped ``save()`` swaps their storage out from under them, and the
+    copies still in flight read what the parameters held at ``save()``."""
+    for swap in ("data", "to"):
+        model, opt = model_and_opt()
+        state = {"model": model, "optim": opt}
+        with Checkpointer(job=f"swap-{swap}") as ck:
+            side = started(fake, state, ck)
+            train_step(model, opt, 1)
+            expected = copy_of(state)
+            side.hold(after_events=1)  # the parameters' copies wait on the side stream
+            ck.save(1, state)
+            if swap == "data":
+                for p in model.parameters():
+                    p.data = torch.zeros_like(p)
+            else:
+                model.to(torch.float64)
+            gc.collect()  # nothing but the copy in flight holds the old memory
+            side.release()
+            assert ck.wait(1, timeout=10) == 1
+            model.to(torch.float32)
+            assert_restores(ck, 1, expected)
 
 
 def test_an_error_on_the_copy_stream_is_raised_and_the_step_never_published(fake):

@@ -4,6 +4,7 @@ torch's own wherever the faster way does not apply."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashckpt import Checkpointer
@@ -142,3 +143,13 @@ def test_parameters_saved_and_restored_as_themselves_stay_leaves_and_walks_stay_
     loss = model(torch.randn(2, 8)).sum()
     loss.backward()  # training goes on from the restored parameters
     assert model[0].weight.grad is not None and model[2].weight.grad is None
+
+
+def test_a_module_tree_is_looked_at_once_a_module_and_a_cycle_is_refused_not_walked_forever():
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)  # one module in two places
+    assert state_dict_of(model)["0.weight"] is shared.weight
+    looped = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    looped.add_module("again", looped)  # a cycle: torch's own state_dict() refuses it
+    with pytest.raises(RecursionError):
+        state_dict_of(looped)

@@ -27,6 +27,7 @@ import threading
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from itertools import compress, count, repeat
 from typing import Any
 
 import torch
@@ -54,6 +55,22 @@ def _writes_in_forward(module: torch.nn.Module) -> set[int]:
         for m in module.modules()
         if isinstance(m, torch.nn.Embedding) and m.max_norm is not None
     }
+
+
+def _pinned_sources(pairs: list[Pair]) -> list[Pair]:
+    """``pairs`` with each parameter source replaced by a detached alias of it. The walks take
+    a module's parameters as themselves, and a parameter's storage can be swapped out from
+    under the object (``p.data = ...``, ``model.to(dtype)``) while its copy is in flight:
+    the alias keeps the storage the copy reads, and is what the copy is queued from. Any
+    other tensor holds its own storage."""
+    srcs = [src for _, src, _ in pairs]
+    out = pairs
+    for i in compress(count(), map(isinstance, srcs, repeat(torch.nn.Parameter))):
+        if out is pairs:
+            out = list(pairs)
+        dst, src, path = pairs[i]
+        out[i] = (dst, src.detach(), path)
+    return out
 
 
 @dataclass
@@ -128,6 +145,7 @@ class DeviceCopier:
     def copy(self, pairs: list[Pair], deferred: set[int]) -> PendingCopy:
         """Queue every copy, those of ``deferred`` storages after the fence; ``wait()`` on the
         result blocks until all have landed."""
+        pairs = _pinned_sources(pairs)
         devices = list(map(self.rt.device_of, [src for _, src, _ in pairs]))
         if len(set(devices)) <= 1:  # the usual case: one device a rank
             by_device = {devices[0]: pairs} if pairs else {}

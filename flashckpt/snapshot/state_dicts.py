@@ -46,13 +46,18 @@ def state_dict_of(value: Any) -> Any:
 
 
 def _hooked(module: torch.nn.Module) -> bool:
-    """Whether a module of ``module``'s tree has a state-dict hook, before or after."""
-    todo = [module]
+    """Whether a module of ``module``'s tree has a state-dict hook, before or after. Each
+    module is looked at once (one shared in two places, or a cycle, which torch's own
+    ``state_dict()`` then refuses)."""
+    todo, seen = [module], {id(module)}
     while todo:
         m = todo.pop()
         if m._state_dict_hooks or m._state_dict_pre_hooks:
             return True
-        todo.extend(filter(_NOT_NONE, m._modules.values()))
+        for child in filter(_NOT_NONE, m._modules.values()):
+            if id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
     return False
 
 
