@@ -351,27 +351,28 @@ def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source,
         drop_grads(target)
 
 
-def drop_grads(target: Any) -> None:
-    """``target.zero_grad(set_to_none=True)`` for a module or an optimizer (anything else
-    keeps what it has). Where the class keeps torch's own, its parameters are walked
+def drop_grads(*targets: Any) -> None:
+    """``zero_grad(set_to_none=True)`` for each module or optimizer of ``targets`` (anything
+    else keeps what it has). Where the class keeps torch's own, the parameters of all of them
+    are gathered, each once (a model's and its optimizer's are the same), and walked
     directly: torch's walk (a generator of named members, a set of those seen) costs more
     than the restore's copies at thousands of parameters."""
-    params: Iterable[Any]
-    if isinstance(target, torch.nn.Module):
-        if type(target).zero_grad is not torch.nn.Module.zero_grad:
-            target.zero_grad(set_to_none=True)
-            return
-        params = chain.from_iterable(m._parameters.values() for m in target.modules())
-    elif not isinstance(target, torch.optim.Optimizer):
-        return
-    elif type(target).zero_grad is not torch.optim.Optimizer.zero_grad:
-        target.zero_grad(set_to_none=True)
-        return
-    else:
-        params = chain.from_iterable(g["params"] for g in target.param_groups)
+    groups: list[Iterable[Any]] = []
+    for target in targets:
+        if isinstance(target, torch.nn.Module):
+            if type(target).zero_grad is not torch.nn.Module.zero_grad:
+                target.zero_grad(set_to_none=True)
+            else:
+                groups.append(chain.from_iterable(m._parameters.values() for m in target.modules()))
+        elif isinstance(target, torch.optim.Optimizer):
+            if type(target).zero_grad is not torch.optim.Optimizer.zero_grad:
+                target.zero_grad(set_to_none=True)
+            else:
+                groups.append(chain.from_iterable(g["params"] for g in target.param_groups))
     # Read in C-level passes (a Python loop's read is a microsecond a parameter); a rollback
     # finds the grads of the step cut short, a restore again finds none.
-    params = list(filter(_NOT_NONE, params))
+    found = list(filter(_NOT_NONE, chain.from_iterable(groups)))
+    params = list(dict(zip(map(id, found), found, strict=True)).values())
     for p in compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))):
         p.grad = None
 

@@ -75,8 +75,7 @@ def producer(manifest: Manifest, walked: Walked | None) -> Producer | None:
     plain = walked.plain
 
     def produce(src: Source) -> None:
-        for target, _, _ in statefuls:  # while the walk's reads of them are in the caches
-            drop_grads(target)
+        drop_grads(*(target for target, _, _ in statefuls))  # the walk's reads still in cache
         # The walk checked each tensor's dtype, shape and device against the layout's.
         src.copy_many(tensors, entries, cs, host_sized=host, plain=plain, on_device=on_device)
         for target, sd, has_scalars in statefuls:  # innermost first, as node by node

@@ -63,11 +63,9 @@ def _pinned_sources(pairs: list[Pair]) -> list[Pair]:
     under the object (``p.data = ...``, ``model.to(dtype)``) while its copy is in flight:
     the alias keeps the storage the copy reads, and is what the copy is queued from. Any
     other tensor holds its own storage."""
+    out = list(pairs)
     srcs = [src for _, src, _ in pairs]
-    out = pairs
     for i in compress(count(), map(isinstance, srcs, repeat(torch.nn.Parameter))):
-        if out is pairs:
-            out = list(pairs)
         dst, src, path = pairs[i]
         out[i] = (dst, src.detach(), path)
     return out
