@@ -25,7 +25,7 @@ from flashckpt.storage_tiers.base import TEMP_GRACE_S, Scope
 from flashckpt.storage_tiers.registry import option, redact
 from flashckpt.storage_tiers.threads import in_thread
 
-from flashckpt.errors import SharedMemoryError
+from flashckpt.errors import SharedMemoryError, StaleWriterError
 from flashckpt.faults.events import EventLog
 from flashckpt.format import layout, tier_io
 from flashckpt.format.checksum import chunk_checksums
@@ -173,6 +173,7 @@ class TierWorker:
         self, job: str, tier, shm_dir: Path, node: str, metrics=None, poll_s: float = 0.5,
         trainers: Trainers | None = None, owned: Callable[[int], bool] | None = None,
         common: LearnedCommon | None = None, events: EventLog | None = None,
+        may_write: Callable[[], bool] | None = None,
     ) -> None:  # fmt: skip
         """``trainers`` is the job's registry on this node, shared by all its tiers; ``owned``
         says whether a live trainer holds a rank's slots; ``common``, the steps every node of
@@ -181,6 +182,9 @@ class TierWorker:
         self.events = events
         self.trainers = trainers if trainers is not None else Trainers()
         self.owned = owned or (lambda rank: True)
+        # Whether this node may write to a shared tier now (its lease from the controller
+        # holds); a node-local tier is this node's alone and is always written.
+        self.may_write = may_write or (lambda: True)
         self.reader = SlotReader(shm_dir, job)
         self.state = TierState(tier.spec.url, tier.spec.scope.value)
         self.metrics = metrics
@@ -211,6 +215,8 @@ class TierWorker:
         self._refused: Key = NONE  # the last step refused for a job-size mismatch (warned once)
         self._older_warned: Key = NONE
         self._behind_since: float | None = None  # when the tier last fell behind memory
+        self._stale: tuple[int, Key] = (-1, NONE)  # (run, step) a newer run's claim refused
+        self._lease_warned = False
 
     def idle(self, give_up_after: float) -> bool:
         """Nothing in flight and nothing in memory newer than what is committed; or the tier
@@ -320,6 +326,9 @@ class TierWorker:
             self._report()
             await self._retire_on_news()
             return None
+        if not self._may_write(step):
+            self._report()
+            return None
         t0 = time.monotonic()
         # Every rank's copy of the step is locked before any is read, for the whole round:
         # trainers go on saving into their other slot, and no rank's copy can be overwritten
@@ -353,15 +362,23 @@ class TierWorker:
                         self.state.url, step[1], self.job, sorted(runs),
                     )  # fmt: skip
                 return None
+            run = snaps[0].manifest.incarnation
+            if (run, step) >= self._stale and run == self._stale[0]:
+                return None  # refused already: a newer run claimed the job (see _refuse)
             limit = asyncio.Semaphore(self.rank_concurrency)
-            done = await _all_or_none(
-                self._persist_snapshot(s, limit, self._primary(s.manifest, required)) for s in snaps
-            )
-        written = sum(done)
-        await tier_io.commit_step(
-            self.tier, self.job, step[1], self.node, sorted(required), world or len(required),
-            snaps[0].manifest.lineage, snaps[0].manifest.incarnation,
-        )  # fmt: skip
+            try:
+                done = await _all_or_none(
+                    self._persist_snapshot(s, limit, self._primary(s.manifest, required))
+                    for s in snaps
+                )
+                written = sum(done)
+                await tier_io.commit_step(
+                    self.tier, self.job, step[1], self.node, sorted(required),
+                    world or len(required), snaps[0].manifest.lineage, run,
+                )  # fmt: skip
+            except StaleWriterError as exc:
+                self._refuse(run, step, exc)
+                return None
         self.state.last_committed = step
         self.state.held.add(step)
         self.state.healthy, self.state.last_error = True, ""
@@ -384,6 +401,30 @@ class TierWorker:
         self._report()
         await self._retire()
         return step
+
+    def _may_write(self, step: Key) -> bool:
+        """Whether this node may write now: a shared tier only while its lease holds (a node
+        cut off from the controller may have had its ranks given to a spare)."""
+        if self.tier.spec.scope is Scope.NODE or self.may_write():
+            self._lease_warned = False
+            return True
+        if not self._lease_warned:
+            self._lease_warned = True
+            log.warning("tier %s: not storing step %d of job %s: this node's lease from the "
+                        "controller lapsed (a spare may be taking its ranks); storing resumes "
+                        "once the controller answers again", self.state.url, step[1],
+                        self.job)  # fmt: skip
+        return False
+
+    def _refuse(self, run: int, step: Key, exc: StaleWriterError) -> None:
+        """A newer run of the job claimed the tier before ``step``: this run's steps from it
+        on are never written there (nothing more is tried for them)."""
+        self._stale = (run, step)
+        self.state.last_error = str(exc)
+        log.warning("%s", exc)
+        if self.events is not None:
+            self.events.record("stale_writer_refused", tier=redact(self.state.url), run=run,
+                               step=step[1], generation=step[0])  # fmt: skip
 
     async def _retire(self) -> None:
         """Apply the tier's retention policy. A node-local tier keeps what every node's

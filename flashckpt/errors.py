@@ -49,6 +49,15 @@ class TierUnavailableError(FlashCkptError, OSError):
         return super().__str__()
 
 
+class ObjectExistsError(FlashCkptError, FileExistsError):
+    """A put that may only create found an object under its key already (``exclusive``)."""
+
+
+class StaleWriterError(FlashCkptError):
+    """A newer run of the job has claimed the tier: this writer's run is over there, and
+    nothing it still holds may land (see "Runs of a job" in docs/FORMAT.md)."""
+
+
 class ConfigError(FlashCkptError, ValueError):
     """An argument or environment variable has a value flashckpt cannot use."""
 

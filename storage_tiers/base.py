@@ -5,6 +5,10 @@ atomic: a reader sees the whole object or none of it (write-then-rename on POSIX
 completed multipart upload on S3), so a crash mid-write never leaves a partial object behind
 a committed name. Higher layers build commit on that: a rank's manifest is put after its data,
 and a step's commit marker after every rank's manifest.
+
+``put(..., exclusive=True)`` only creates: where an object is under the key already it raises
+ObjectExistsError and leaves that object as it is. Snapshots are written that way, so what one
+writer committed is never rewritten in place by another (see ``format/fence.py``).
 """
 
 from __future__ import annotations
@@ -82,11 +86,19 @@ class Tier(abc.ABC):
     def scope(self) -> Scope:
         return self.spec.scope
 
+    exclusive_atomic: ClassVar[bool] = True
+    """Whether ``put(exclusive=True)`` is one atomic create-if-absent in the store (a link on
+    a directory tier, a conditional write on S3); False where it can only look first, so two
+    writers racing for one key may both think they created it (documented per tier)."""
+
     @abc.abstractmethod
     async def put(
-        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
-    ) -> None:
-        """Store ``size`` bytes given as consecutive chunks under ``key``, atomically."""
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int,
+        exclusive: bool = False,
+    ) -> None:  # fmt: skip
+        """Store ``size`` bytes given as consecutive chunks under ``key``, atomically. With
+        ``exclusive`` the put only creates: an object already under ``key`` is left as it is
+        and ObjectExistsError raised, so a committed object is never rewritten in place."""
 
     @abc.abstractmethod
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:

@@ -42,6 +42,7 @@ from flashckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     FlashCkptError,
+    ObjectExistsError,
     TierUnavailableError,
 )
 
@@ -139,7 +140,12 @@ def _modified(info: dict[str, Any]) -> float:
 
 
 class FsspecTier(Tier):
-    """Objects under ``<protocol>://<location>`` through an fsspec filesystem."""
+    """Objects under ``<protocol>://<location>`` through an fsspec filesystem.
+
+    fsspec has no create-if-absent common to its filesystems, so an exclusive put looks
+    first: two writers racing for one key may both pass the look (``exclusive_atomic``)."""
+
+    exclusive_atomic = False
 
     def __init__(self, spec: TierSpec, storage_options: dict[str, Any] | None = None):
         self.spec = spec
@@ -233,9 +239,12 @@ class FsspecTier(Tier):
     # -- put ---------------------------------------------------------------------------------
 
     async def put(
-        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
-    ) -> None:
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int,
+        exclusive: bool = False,
+    ) -> None:  # fmt: skip
         final = self._path(check_key(key))
+        if exclusive and await self._run("put", key, self.fs.exists, final):
+            raise ObjectExistsError(f"{self.protocol}://{final} exists already; it was left as it is")
         target = final
         if self.commit == "rename":
             parent, name = posixpath.split(final)

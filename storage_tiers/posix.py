@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from flashckpt.errors import CheckpointNotFoundError, TierUnavailableError
+from flashckpt.errors import CheckpointNotFoundError, ObjectExistsError, TierUnavailableError
 
 from .base import (
     TEMP_PREFIX,
@@ -128,8 +128,9 @@ class PosixTier(Tier):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root))
 
     async def put(
-        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
-    ) -> None:
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int,
+        exclusive: bool = False,
+    ) -> None:  # fmt: skip
         path = self._path(key)
         if not self.create:
             await self.check_location()
@@ -143,10 +144,10 @@ class PosixTier(Tier):
             written = await self._write_all(temp, chunks)
             if written != size:
                 raise size_error(key, size, written)
-            await temp.run(temp.commit)
+            await temp.run(temp.commit, exclusive)
         except BaseException as exc:
             await asyncio.shield(temp.discard())
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, ObjectExistsError):
                 raise self._translate(exc, key, size) from exc
             raise
         log.debug("put %s/%s (%d bytes)", self.root, key, size)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from flashckpt.errors import ObjectExistsError
+
 from .base import temp_name
 from .threads import in_thread
 
@@ -56,15 +58,46 @@ class Temp:
             n = os.write(self.fd, view)
             view = view[n:]
 
-    def commit(self) -> None:
-        """fsync the file, rename it to its final name and fsync the directory."""
+    def commit(self, exclusive: bool = False) -> None:
+        """fsync the file, rename it to its final name and fsync the directory. ``exclusive``:
+        only if nothing has that name yet (a hard link, which fails on an existing name, then
+        the temporary's removal); ObjectExistsError otherwise, the temporary removed."""
         assert self.fd is not None and self.dir_fd is not None
         os.fsync(self.fd)
         fd, self.fd = self.fd, None
         os.close(fd)
-        os.replace(self.name, self.final.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        if exclusive:
+            self._link()
+        else:
+            os.replace(self.name, self.final.name, src_dir_fd=self.dir_fd,
+                       dst_dir_fd=self.dir_fd)  # fmt: skip
         fsync_fd(self.dir_fd, self.final.parent)
         self._close_dir()
+
+    def _link(self) -> None:
+        assert self.dir_fd is not None
+        try:
+            os.link(self.name, self.final.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd,
+                    follow_symlinks=False)  # fmt: skip
+        except FileExistsError:
+            self._remove()
+            raise ObjectExistsError(f"{self.final} exists already; it was left as it is") from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # A file system without hard links: look, then rename (two writers racing for
+            # one name may both pass the look; see Tier.exclusive_atomic).
+            log.debug("no hard links on %s (%s): create-if-absent by a look", self.final, exc)
+            try:
+                os.stat(self.final.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                self._remove()
+                raise ObjectExistsError(f"{self.final} exists already; it was left as it is")
+            os.rename(self.name, self.final.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            return
+        os.unlink(self.name, dir_fd=self.dir_fd)
 
     async def discard(self) -> None:
         await in_thread(self._remove)

@@ -90,6 +90,7 @@ _REGISTRY: dict[str, TierEntry] = {
                 "retry_attempts",
                 "retry_backoff_s",
                 "retry_max_backoff_s",
+                "conditional_writes",
             ]
         ),
     ),

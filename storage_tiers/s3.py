@@ -24,6 +24,7 @@ import s3fs
 from flashckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
+    ObjectExistsError,
     TierUnavailableError,
 )
 
@@ -39,7 +40,7 @@ from .base import (
     temp_name,
 )
 from .registry import as_bool, option
-from .s3_errors import DENIED_CODES, describe, error_code, transient
+from .s3_errors import DENIED_CODES, UNSUPPORTED_CODES, describe, error_code, transient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,8 +55,11 @@ class S3Tier(Tier):
 
     Options: ``part_size`` (bytes, default 8 MiB, at least 5 MiB), ``max_concurrency`` (parts
     in flight, default 4), ``retry_attempts`` / ``retry_backoff_s`` / ``retry_max_backoff_s``,
-    ``endpoint_url``, ``region``, ``key`` / ``secret`` / ``token``, ``anon``. Use one tier per
-    event loop: its HTTP session belongs to the loop that first used it.
+    ``endpoint_url``, ``region``, ``key`` / ``secret`` / ``token``, ``anon``,
+    ``conditional_writes`` (default 1: an exclusive put is a write with ``If-None-Match: *``;
+    0, or a store that answers it NotImplemented: a HEAD first, which two writers racing for
+    one key may both pass). Use one tier per event loop: its HTTP session belongs to the loop
+    that first used it.
     """
 
     def __init__(self, spec: TierSpec):
@@ -68,6 +72,8 @@ class S3Tier(Tier):
                 f"tier {spec.url}: part_size={self.part_size} is out of range: S3 needs parts "
                 f"of {MIN_PART} to {MAX_PART} bytes; pick a value in that range"
             )
+        self.conditional = option(spec, "conditional_writes", True, as_bool)
+        self.exclusive_atomic = self.conditional
         self.max_concurrency = option(spec, "max_concurrency", 4, int)
         if self.max_concurrency < 1:
             raise ConfigError(
@@ -193,19 +199,47 @@ class S3Tier(Tier):
     # -- put ---------------------------------------------------------------------------------
 
     async def put(
-        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
-    ) -> None:
+        self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int,
+        exclusive: bool = False,
+    ) -> None:  # fmt: skip
         full = self._key(check_key(key))
-        if size <= self.part_size:
-            body = await _collect(chunks, size, key)
-            await self._call("put", key, "put_object", Bucket=self.bucket, Key=full, Body=body)
-        else:
-            await self._put_multipart(key, full, chunks, size)
+        if exclusive and not self.conditional and await self._present(key, full):
+            raise self._exists_error(full)
+        only_new = {"IfNoneMatch": "*"} if exclusive and self.conditional else {}
+        try:
+            if size <= self.part_size:
+                body = await _collect(chunks, size, key)
+                await self._call("put", key, "put_object", Bucket=self.bucket, Key=full,
+                                 Body=body, **only_new)  # fmt: skip
+            else:
+                await self._put_multipart(key, full, chunks, size, only_new)
+        except Exception as exc:
+            code, status = error_code(exc)
+            if only_new and (code == "PreconditionFailed" or status == 412):
+                raise self._exists_error(full) from None
+            if only_new and code in UNSUPPORTED_CODES:
+                log.warning("tier %s: the store has no conditional writes (%s): an exclusive "
+                            "put looks first from now on (set conditional_writes=0 to say so)",
+                            self.spec.url, describe(exc))  # fmt: skip
+                self.conditional = self.exclusive_atomic = False
+                return await self.put(key, chunks, size, exclusive)
+            raise
         log.debug("put s3://%s/%s (%d bytes)", self.bucket, full, size)
 
+    async def _present(self, key: str, full: str) -> bool:
+        try:
+            await self._call("put", key, "head_object", Bucket=self.bucket, Key=full)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def _exists_error(self, full: str) -> ObjectExistsError:
+        return ObjectExistsError(f"s3://{self.bucket}/{full} exists already; it was left as it is")
+
     async def _put_multipart(
-        self, key: str, full: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int
-    ) -> None:
+        self, key: str, full: str, chunks: AsyncIterator[memoryview] | list[memoryview], size: int,
+        only_new: dict[str, str],
+    ) -> None:  # fmt: skip
         where = {"Bucket": self.bucket, "Key": full}
         started = await self._call("start upload", key, "create_multipart_upload", **where)
         upload_id = started["UploadId"]
@@ -248,6 +282,7 @@ class S3Tier(Tier):
                 **where,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
+                **only_new,
             )
         except BaseException:
             for task in running:

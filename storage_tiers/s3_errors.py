@@ -19,7 +19,10 @@ TRANSIENT_CODES = {
     "ServiceUnavailable",
     "InternalError",
     "RequestTimeout",
+    "ConditionalRequestConflict",  # a conditional write raced another on the key: try again
 }
+UNSUPPORTED_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest"}
+"""What a store that has no conditional writes answers to If-None-Match."""
 DENIED_CODES = {
     "AccessDenied",
     "InvalidAccessKeyId",

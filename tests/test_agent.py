@@ -476,7 +476,7 @@ def test_a_failed_round_stops_every_upload_before_the_trainers_get_their_slots_b
         def __init__(self, tier):
             self.tier = tier
 
-        async def put(self, key, chunks, size):
+        async def put(self, key, chunks, size, exclusive=False):
             if "rank-0/data" in key:
                 raise OSError(errno.ENOSPC, "No space left on device")
             running.add(key)

@@ -11,6 +11,8 @@ cover the world (in a node-local tier: name the node's ranks); markers of an old
 incarnation than the newest a step has are not counted, and a rank counts only where its
 manifest is stored.
 
+A job's runs claim their epochs in ``<job>/fence/epoch-<E>.json`` (see ``fence.py``).
+
 Only canonical names count: ``step-`` with the step in 12 digits or more (no leading zero
 beyond those), ``rank-`` with no leading zero. Anything else under a job (``step-1``,
 ``step-99``, ``rank-01``) is a stray: never a step, never listed, never removed by retention,
@@ -35,6 +37,9 @@ _STEP = re.compile(r"step-([0-9]+)(?:\.g([1-9][0-9]*))?")
 _COMMIT = re.compile(r"commit-([A-Za-z0-9._-]+)\.json")
 _RANK = re.compile(r"rank-([0-9]+)")
 _NODE = re.compile(r"[A-Za-z0-9._-]+")
+_CLAIM = re.compile(r"epoch-([0-9]+)\.json")
+FENCE_DIR = "fence"
+"""Where the runs of a job claim their epochs in a shared tier (``fence.py``)."""
 MAX_WORLD_SIZE = 1 << 24
 """A marker naming a larger world is corrupt (no job has this many ranks)."""
 
@@ -73,6 +78,27 @@ def manifest_key(job: str, step: int, rank: int, generation: int = 0) -> str:
 
 def commit_key(job: str, step: int, node: str, generation: int = 0) -> str:
     return f"{step_prefix(job, step, generation)}/commit-{node}.json"
+
+
+def claim_key(job: str, epoch: int) -> str:
+    """Where run ``epoch`` of ``job`` claimed its epoch: ``<job>/fence/epoch-<E, 12 digits>.json``."""
+    return f"{job}/{FENCE_DIR}/epoch-{epoch:012d}.json"
+
+
+def parse_claim(name: str) -> int | None:
+    """The epoch of a canonical claim's file name; None for anything else."""
+    m = _CLAIM.fullmatch(name)
+    if m is None:
+        return None
+    epoch = int(m.group(1))
+    return epoch if f"epoch-{epoch:012d}.json" == name else None
+
+
+def claims(job: str, keys: list[str]) -> list[int]:
+    """The epochs claimed in a tier listing of ``job/`` (or of its fence), oldest first."""
+    prefix = f"{job}/{FENCE_DIR}/"
+    found = (parse_claim(k[len(prefix):]) for k in keys if k.startswith(prefix))
+    return sorted(e for e in found if e is not None)
 
 
 @dataclass(frozen=True)
@@ -160,6 +186,8 @@ def strays(job: str, keys: list[str]) -> list[str]:
     for key in keys:
         parts = key.split("/")
         if not parts or parts[0] != job:
+            continue
+        if len(parts) == 3 and parts[1] == FENCE_DIR and parse_claim(parts[2]) is not None:
             continue
         if len(parts) < 3 or parse_step(parts[1]) is None:
             found.add("/".join(parts[:2]))

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .. import config
-from ..errors import CheckpointNotFoundError, ConfigError, ManifestError
+from ..errors import CheckpointNotFoundError, ConfigError, ManifestError, ObjectExistsError
 from ..storage_tiers.base import TEMP_GRACE_S, Leftover, Scope
-from . import layout
+from . import fence, layout
 from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
 from .retention import Common, Held, kept
@@ -77,30 +77,82 @@ async def write_rank(
 ) -> int:
     """Put one rank's data, then its manifest (which commits the rank). With ``primary``
     (the other ranks of its replica groups that store replicated entries in this tier), only
-    what the rank stores itself is put. Returns bytes written."""
+    what the rank stores itself is put. Returns bytes written.
+
+    Both are fenced (``fence.py``): in a shared tier a run older than the newest that claimed
+    the job writes nothing (StaleWriterError), and neither object ever replaces one that a run
+    as new or newer wrote: a rank this run stored already is left as it is (0 bytes written)."""
     job, step, rank, gen = manifest.job, manifest.step, manifest.rank, manifest.generation
+    run = manifest.incarnation
     if not manifest.sealed:
         raise ManifestError(
             f"step {step} rank {rank}: a manifest must carry its checksums before it is stored"
         )
     if primary is not None and primary != rank:
         manifest, data = without_replicas(manifest, data, primary)
-    await tier.put(layout.data_key(job, step, rank, gen), list(_chunks(data)), len(data))
+    await _fence(tier, job, run, step)
+    mkey = layout.manifest_key(job, step, rank, gen)
+
+    async def rank_run() -> int | None:  # who stored what is there: its manifest says
+        try:
+            return (await read_manifest(tier, job, step, rank, gen)).incarnation
+        except (ManifestError, CheckpointNotFoundError):
+            return None  # not committed: data of a put cut short, anyone's
+
+    dkey = layout.data_key(job, step, rank, gen)
+    written = await _create(tier, dkey, list(_chunks(data)), len(data), job, run, step, rank_run)
     raw = manifest.to_json()
-    await tier.put(layout.manifest_key(job, step, rank, gen), [memoryview(raw)], len(raw))
-    return len(data) + len(raw)
+    written += await _create(tier, mkey, [memoryview(raw)], len(raw), job, run, step, rank_run)
+    return written
 
 
 async def commit_step(
     tier, job: str, step: int, node: str, ranks: list[int], world_size: int,
     lineage: Lineage | None = None, incarnation: int = 0,
 ) -> None:  # fmt: skip
+    """Put ``node``'s commit marker of ``step``, fenced as ``write_rank``'s puts are."""
     lineage = lineage or Lineage()
     marker = layout.CommitMarker(
         node, tuple(sorted(ranks)), world_size, lineage, incarnation
     ).to_json()
     key = layout.commit_key(job, step, node, lineage.generation)
-    await tier.put(key, [memoryview(marker)], len(marker))
+    await _fence(tier, job, incarnation, step)
+
+    async def marker_run() -> int | None:
+        found = await _marker(tier, key)
+        return found.incarnation if isinstance(found, layout.CommitMarker) else None
+
+    await _create(tier, key, [memoryview(marker)], len(marker), job, incarnation, step,
+                  marker_run)  # fmt: skip
+
+
+async def _fence(tier, job: str, run: int, step: int) -> None:
+    """StaleWriterError where run ``run`` may not write ``step`` into this shared tier."""
+    if tier.spec.scope is Scope.SHARED:
+        await fence.check(tier, job, run, step)
+
+
+async def _create(tier, key: str, views: list[memoryview], size: int, job: str, run: int,
+                  step: int, stored_by: Callable[[], Awaitable[int | None]]) -> int:  # fmt: skip
+    """Put ``key`` where nothing is under it; bytes written. What is there already is left as
+    it is where this run stored it (a retry, a restarted agent: 0), refused where a newer run
+    did (StaleWriterError), and replaced only where an older run's leftover or a cut-short
+    put's holds the name (``stored_by`` says which run wrote it; None: none can be told)."""
+    try:
+        await tier.put(key, views, size, exclusive=True)
+        return size
+    except ObjectExistsError:
+        pass
+    await _fence(tier, job, run, step)  # a newer run's object: its claim came before its put
+    there = await stored_by()
+    if there == run:
+        return 0
+    if there is not None and there > run:
+        raise fence.stale(tier, job, run, there, step)
+    log.info("%s/%s: replacing what a put cut short or an earlier run (%s) left there",
+             tier.spec.url, key, there)  # fmt: skip
+    await tier.put(key, views, size)
+    return size
 
 
 @dataclass(frozen=True)
@@ -113,7 +165,10 @@ class CommittedStep:
     ``incarnation``: the newest run of the job that committed ranks of the step. Only its
     markers count: a writer of an earlier run (a partitioned node's agent still uploading, a
     second job under the same name) never completes a step together with a newer run, and
-    every shard read for the step must carry this incarnation too."""
+    every shard read for the step must carry this incarnation too.
+
+    ``fenced``: the markers that do not count because a newer run claimed the job before the
+    step (``fence.Limits``): a stale writer's, the step above what that run had seen."""
 
     step: int
     ranks: frozenset[int]
@@ -122,6 +177,7 @@ class CommittedStep:
     lineage: Lineage = Lineage()
     node_local: bool = False
     incarnation: int = 0
+    fenced: tuple[str, ...] = ()
 
     @property
     def generation(self) -> int:
@@ -214,18 +270,24 @@ async def list_steps(tier, job: str) -> Listing:
     keys = await tier.list(f"{job}/")
     node_local = tier.spec.scope is Scope.NODE
     out: Listing = {}
-    for (gen, step), found in layout.scan(job, keys).items():
+    scanned = layout.scan(job, keys)
+    read_all = [await asyncio.gather(*(_marker(tier, k) for k in found.markers))
+                for found in scanned.values()]  # fmt: skip
+    limits = await _limits(tier, job, keys, read_all)
+    for ((gen, step), found), read in zip(scanned.items(), read_all, strict=True):
         if not found.markers:
             out[gen, step] = None
             continue
-        read = await asyncio.gather(*(_marker(tier, k) for k in found.markers))
         parsed = [m for m in read if isinstance(m, layout.CommitMarker)]
         problems = [m for m in read if isinstance(m, str)]
         for m in [m for m in parsed if m.lineage.generation != gen]:
             problems.append(f"the commit marker of node {m.node} in step {step} generation "
                             f"{gen} names generation {m.lineage.generation}")  # fmt: skip
             parsed.remove(m)
-        incarnation = max((m.incarnation for m in parsed), default=0)
+        stale = [m for m in parsed if limits.fenced(m.incarnation, step)]
+        fenced = tuple(_fenced(tier, job, step, gen, m, limits) for m in stale)
+        parsed = [m for m in parsed if m not in stale]
+        incarnation = max((m.incarnation for m in parsed or stale), default=0)
         superseded = [m.node for m in parsed if m.incarnation != incarnation]
         if superseded:
             log.info("%s: step %d of job %s: the commit markers of nodes %s are of an earlier "
@@ -239,8 +301,31 @@ async def list_steps(tier, job: str) -> Listing:
         world = max((m.world_size for m in parsed), default=0)
         lineage = parsed[0].lineage if parsed else Lineage()
         out[gen, step] = CommittedStep(step, ranks, world, tuple(problems), lineage, node_local,
-                                       incarnation)  # fmt: skip
+                                       incarnation, fenced)  # fmt: skip
     return out
+
+
+async def _limits(tier, job: str, keys: list[str], markers: list[list]) -> fence.Limits:
+    """The fence's limits for the runs whose markers the listing holds: only the claims newer
+    than the oldest of them are read (none while one run writes alone)."""
+    runs = [m.incarnation for read in markers for m in read if isinstance(m, layout.CommitMarker)]
+    if not runs:
+        return fence.Limits({})
+    oldest = min(runs)
+    newer = [e for e in layout.claims(job, keys) if e > oldest]
+    return fence.Limits(await fence.read_claims(tier, job, newer) if newer else {})
+
+
+def _fenced(tier, job: str, step: int, generation: int, marker: layout.CommitMarker,
+            limits: fence.Limits) -> str:  # fmt: skip
+    """Why a marker a stale writer landed does not count."""
+    message = (f"{tier.spec.url}: {layout.step_dir(step, generation)}: the commit marker of node "
+               f"{marker.node} is of run {marker.incarnation} of job {job}, but a newer run "
+               f"claimed the job after step {int(limits.limit(marker.incarnation))}: a stale "
+               "writer's step (an agent of an earlier run, stopped or cut off, that wrote on), "
+               "never restored; retention removes it once older than the newest committed step")  # fmt: skip
+    log.warning("%s", message)
+    return message
 
 
 def _no_manifests(tier, step: int, generation: int, ranks: list[int]) -> str:

@@ -18,6 +18,7 @@ from .. import group
 from ..errors import PartlyRestoredError, TierUnavailableError
 from ..format.lineage import Lineage, newest
 from . import entry_copy
+from .sources import claim_run
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,17 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
     heads: list[int] = group.gather(max(mine, default=-1))  # type: ignore[assignment]
     newest_held = max(heads)
     newest_gen = max(group.gather(max((g for g, _ in known), default=0)))  # type: ignore[type-var]
-    # Every agreeing restore starts a new run of the job, newer than any a source shows: what
-    # it saves never completes a step together with writers of an earlier run.
-    seen = max((getattr(src, "incarnation", 0) for src in sources), default=0)
-    incarnation = max(group.gather(seen)) + 1  # type: ignore[type-var]
+    # Every agreeing restore starts a new run of the job, newer than any a source shows and
+    # than any claimed in a shared tier (claimed below): what it saves never completes a step
+    # together with writers of an earlier run, and theirs above the newest step seen here
+    # never count again (``fence``).
+    runs = max((getattr(src, "incarnation", 0) for src in sources), default=0)
+    newest_seen = max((s for _, s in known), default=-1)
+    claims = [src.url for src in sources if getattr(src, "claims", False)]
+    runs, newest_seen, claimed = map(
+        max, zip(*group.gather((runs, newest_seen, bool(claims))), strict=True)
+    )
+    incarnation = runs + 1
     unlisted = [(src.name, src.unlisted) for src in sources if getattr(src, "unlisted", "")]
     blind = [names for names in group.gather(unlisted) if names]
     if step is None and blind:
@@ -94,6 +102,10 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
                         "here on start generation %d, after step %s: a newer step of the old "
                         "branch the skipped source may hold is never restored", job,
                         lineage.generation, restored)  # fmt: skip
+    if claimed:  # on every rank, or on none: a collective
+        incarnation = group.from_first(
+            lambda: claim_run(claims, job, incarnation, newest_seen)  # type: ignore[arg-type]
+        )
     failures = tuple((src.name, when, why) for src in sources
                      for when, why in getattr(src, "failures", ()))  # fmt: skip
     return Restored(restored, lineage, source, newest_held, incarnation, failures)

@@ -34,7 +34,7 @@ from ..errors import (
     SharedMemoryError,
     TierUnavailableError,
 )
-from ..format import layout, tier_io
+from ..format import fence, layout, tier_io
 from ..format.lineage import Lineage, newest
 from ..format.sealed import bare_entries
 from ..format.slot import Slot
@@ -319,6 +319,36 @@ def run_with_tier(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
     return run_private(go())
 
 
+def claim_run(urls: list[str], job: str, at_least: int, seen: int) -> int:
+    """Claim the epoch of a new run of ``job`` in the shared tiers ``urls`` (``fence.claim``),
+    transient errors tried again within ``list_retry_s``; the epoch. A tier where it cannot
+    be claimed stops the restore: the run's saves would not be fenced there."""
+    from ..storage_tiers import open_tier
+    from ..storage_tiers.registry import redact
+
+    async def go() -> int:
+        tiers = [open_tier(url) for url in urls]
+        try:
+            return await fence.claim(tiers, job, at_least, seen, config.node_name())
+        finally:
+            for tier in tiers:
+                await tier.close()
+
+    retry = Retrying(config.list_retry_s())
+    while True:
+        try:
+            return run_private(go())
+        except Exception as exc:
+            if transient(exc) and retry.again(f"the run of job {job} cannot be claimed ({exc})"):
+                continue
+            raise TierUnavailableError(
+                f"job {job}: the new run could not claim its epoch in {', '.join(map(redact, urls))} "
+                f"({type(exc).__name__}: {exc}{retry.spent()}); its saves could not be told from a "
+                "stale writer's there: make the tier reachable and writable and restart, or leave "
+                "it out of the tiers"
+            ) from exc
+
+
 async def _manifest_sized(tier: Any, job: str, step: int, rank: int, gen: int,
                           run_: int | None) -> tuple[Any, Any]:  # fmt: skip
     """A rank's manifest, its data's size checked against it; (manifest, None): the data
@@ -353,6 +383,8 @@ class TierSource:
         # A peer's memory and a directory's files are received straight into the state
         # (see ``_source``).
         self.peer = parse_spec(url).scheme == "peer"
+        # Where a new run of the job claims its epoch (``fence``): every tier all nodes write.
+        self.claims = parse_spec(url).scope.value == "shared" and not self.peer
         self.streamed = self.peer or issubclass(tier_class(url), PosixTier)
         self._saved_by: dict[Key, tuple[int, int]] = {}  # step -> (rank to read, its world)
         self._incarnations: dict[Key, int] = {}  # step -> the run its commit markers name
