@@ -63,14 +63,16 @@ COLS = 1024
 # ---- the stored step ---------------------------------------------------------------------------
 
 
-def rank_shards(rank: int, world: int, nbytes: int) -> tuple[Manifest, torch.Tensor]:
-    """Rank ``rank``'s sealed manifest and data: its rows of N_TENSORS float32 tensors that
-    hold ``nbytes`` over all ranks."""
-    rows = max(world, nbytes // (N_TENSORS * COLS * 4) // world * world)
+def rank_shards(
+    rank: int, world: int, nbytes: int, tensors: int = N_TENSORS, step: int = STEP
+) -> tuple[Manifest, torch.Tensor]:
+    """Rank ``rank``'s sealed manifest and data of ``step``: its rows of ``tensors`` float32
+    tensors that hold ``nbytes`` over all ranks."""
+    rows = max(world, nbytes // (tensors * COLS * 4) // world * world)
     per = rows // world
     g = torch.Generator().manual_seed(rank)
     leaves = []
-    for i in range(N_TENSORS):
+    for i in range(tensors):
         info = ShardInfo((rows, COLS), (rank * per, 0), ("Shard(dim=0)",), (world,))
         local = torch.empty(per, COLS).uniform_(generator=g)
         leaves.append(Leaf(f"model/layer{i}.weight", "tensor", local, info))
@@ -80,7 +82,7 @@ def rank_shards(rank: int, world: int, nbytes: int) -> tuple[Manifest, torch.Ten
         data[e.offset : e.offset + e.nbytes] = lf.tensor.reshape(-1).view(torch.uint8)
     tree = {"t": "dict", "items": [["model", {"t": "dict", "items": [
         [lf.path.split("/", 1)[1], {"t": "tensor", "i": i}] for i, lf in enumerate(leaves)]}]]}  # fmt: skip
-    m = Manifest(JOB, rank, STEP, tree, lay.entries, lay.data_len, world_size=world)
+    m = Manifest(JOB, rank, step, tree, lay.entries, lay.data_len, world_size=world)
     sums = chunk_checksums(memoryview(data.numpy()), m.entries, m.chunk_size)
     return m.with_checksums(sums), data
 

@@ -217,7 +217,7 @@ class S3Tier(Tier):
             code, status = error_code(exc)
             if only_new and (code == "PreconditionFailed" or status == 412):
                 raise self._exists_error(full) from None
-            if only_new and code in UNSUPPORTED_CODES:
+            if only_new and (code in UNSUPPORTED_CODES or status == 501):
                 log.warning("tier %s: the store has no conditional writes (%s): an exclusive "
                             "put looks first from now on (set conditional_writes=0 to say so)",
                             self.spec.url, describe(exc))  # fmt: skip

@@ -21,8 +21,8 @@ TRANSIENT_CODES = {
     "RequestTimeout",
     "ConditionalRequestConflict",  # a conditional write raced another on the key: try again
 }
-UNSUPPORTED_CODES = {"NotImplemented", "InvalidArgument", "InvalidRequest"}
-"""What a store that has no conditional writes answers to If-None-Match."""
+UNSUPPORTED_CODES = {"NotImplemented"}
+"""What a store that has no conditional writes answers to If-None-Match (HTTP 501)."""
 DENIED_CODES = {
     "AccessDenied",
     "InvalidAccessKeyId",
@@ -72,6 +72,8 @@ def describe(exc: BaseException) -> str:
 
 def transient(exc: BaseException) -> bool:
     code, status = error_code(exc)
+    if code in UNSUPPORTED_CODES:  # a 501: the store lacks the feature, no retry gives it
+        return False
     if code or status:
         return code in TRANSIENT_CODES or status >= 500 or status == 429
     return isinstance(exc, TRANSIENT_TYPES)

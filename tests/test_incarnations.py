@@ -13,6 +13,7 @@ import torch
 from flashckpt.storage_tiers import open_tier
 
 from flashckpt import Checkpointer
+from flashckpt.errors import StaleWriterError
 from flashckpt.format import layout, tier_io
 from flashckpt.format.manifest import Manifest
 from flashckpt.restore.sources import run_with_tier
@@ -69,13 +70,21 @@ def test_each_restore_starts_a_newer_run_and_a_shard_of_an_earlier_run_is_a_corr
                         .read_bytes())  # fmt: skip
     assert marker["incarnation"] == 2
 
-    # The first run's agent, cut off, uploads its own step 3 late, over the new run's shard.
+    # The first run's agent, cut off, uploads its own step 3 late, over the new run's shard:
+    # refused (the second run claimed the job having seen step 2), and the shard stays.
     async def late_upload(tier):
         new = await tier_io.read_manifest(tier, "fence", 3, 0)
         data = (root / layout.data_key("fence", 3, 0)).read_bytes()
         await tier_io.write_rank(tier, dataclasses.replace(new, incarnation=1), memoryview(data))
 
-    run_with_tier(url, late_upload)
+    with pytest.raises(StaleWriterError, match="step 3 of run 1 of job fence is not written"):
+        run_with_tier(url, late_upload)
+    # Were its manifest to land all the same (a writer that raced the claim), it is no copy of
+    # the step the markers name: a corrupt copy, and the restore goes back a step.
+    stale = dataclasses.replace(run_with_tier(url, lambda t: tier_io.read_manifest(t, "fence", 3, 0)),
+                                incarnation=1).to_json()  # fmt: skip
+    run_with_tier(url, lambda t: t.put(layout.manifest_key("fence", 3, 0), [memoryview(stale)],
+                                       len(stale)))  # fmt: skip
     with pytest.raises(Exception, match="written by run 1 of the job, but the step is committed"):
         run_with_tier(url, lambda t: tier_io.read_rank(t, "fence", 3, 0, 0, incarnation=2))
     restored = {"t": torch.zeros(64)}

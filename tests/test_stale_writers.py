@@ -367,3 +367,26 @@ def test_a_tier_where_the_run_cannot_claim_stops_the_restore_saying_what_to_do(
         with pytest.raises(Exception, match="could not claim its epoch") as info:
             ck.restore({"t": torch.zeros(8)})
     assert "make the tier reachable and writable" in str(info.value)
+
+
+@S3
+def test_a_store_without_conditional_writes_is_told_once_and_looked_at_first(s3_bucket, s3_server,
+                                                                            caplog):  # fmt: skip
+    """A store that answers If-None-Match with 501 NotImplemented: the put is made again
+    after a HEAD, once, and from then on (a warning says how to set it); an object there is
+    still never replaced by an exclusive put."""
+    from s3fixture import FaultProxy
+
+    with FaultProxy(s3_server.endpoint_url, faults=1, status=501, code="NotImplemented") as proxy:
+        url = f"s3://{s3_bucket}/x?endpoint_url={proxy.endpoint_url}&retry_attempts=2"
+
+        async def go(tier):
+            await tier.put("j/a", [memoryview(b"first")], 5, exclusive=True)
+            assert not tier.conditional
+            with pytest.raises(ObjectExistsError):
+                await tier.put("j/a", [memoryview(b"again")], 5, exclusive=True)
+            return await tier.get("j/a")
+
+        assert run_with_tier(url, go) == b"first"
+    assert proxy.faulted == 1
+    assert any("has no conditional writes" in r.getMessage() for r in caplog.records)

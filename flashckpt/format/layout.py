@@ -180,7 +180,8 @@ def parse_keys(job: str, keys: list[str]) -> dict[tuple[int, int], list[str]]:
 def strays(job: str, keys: list[str]) -> list[str]:
     """The names under ``job/`` in a tier listing that are no part of a step: a step or rank
     directory of a name flashckpt never writes (``step-1``, ``rank-01``), or anything else
-    besides a step's commit markers and its ranks' data and manifest. Each is ignored by
+    besides a step's commit markers, its ranks' data and manifest, and the runs' claims in
+    ``fence/``. Each is ignored by
     listings, commits and retention, and never removed by them."""
     found: set[str] = set()
     for key in keys:
