@@ -1,6 +1,8 @@
 """``flashckpt verify URL... [--step N] [--rank R]``: re-read a stored step as a restore would
 and report every problem: each bad chunk with its object (or slot file), byte range and
-entry, each manifest, size, replica or commit problem. Exit 1 if any is found.
+entry, each manifest, size, replica or commit problem. Exit 1 if any is found. Whichever
+step it verifies, it also reports each step of a tier that is no checkpoint (commit markers
+naming ranks with no stored manifest, or markers a newer run fenced out; see ``_Leftover``).
 
 A tier copy is read chunk by chunk (memory stays bounded whatever the size). An entry another
 rank stores for this one (``stored_at``, a replicated entry stored once) is checked against
@@ -34,10 +36,12 @@ from .common import (
     describe_error,
     locations,
     rank_arg,
+    ranks_text,
     shm_dir,
     step_arg,
 )
 from .locations import (
+    Key,
     ShmLocation,
     TierLocation,
     committed_in,
@@ -266,6 +270,19 @@ async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progr
     job = report.job = await job_at(loc, chosen_job(args))
     report.notes += [stray_line(loc.shown, name) for name in await loc.strays(job)]
     listing = await loc.listing(job)
+    leftovers = await _leftovers(loc, job, listing)
+    try:
+        await _verify_step(loc, job, listing, leftovers, args, report, progress)
+    except Problem as exc:  # no such step: said first, then the leftovers
+        report.problem("missing", str(exc))
+    finally:  # reported also where no step can be verified
+        chosen = (report.generation, report.step) if report.step is not None else None
+        for left in leftovers:
+            report.problems.append(left.problem(loc, job, chosen))
+
+
+async def _verify_step(loc, job: str, listing: tier_io.Listing, leftovers: list[_Leftover],
+                       args: argparse.Namespace, report: Report, progress: Progress) -> None:  # fmt: skip
     done = committed_in(listing)
     key = newest_key(listing, args.step)
     c = listing.get(key) if key is not None else None
@@ -275,9 +292,17 @@ async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progr
             raise Problem(f"job {job} has no committed step in {loc.shown}")
         raise Problem(f"step {args.step} is not committed in {loc.shown} (committed: {done})")
     report.generation = key[0]
+    said = next((left for left in leftovers if left.key == key and left.missing), None)
     for problem in c.problems:
+        if said is not None and "manifests are not stored" in problem:
+            continue  # the step's own report (``_Leftover``) says it, and what it looks like
         report.problem("commit", problem)
-    if not c.world_size:  # no marker could be read: none names a rank or a world size
+    if not c.world_size and getattr(c, "fenced", ()):  # the others are corrupt
+        report.problem("commit", f"{loc.shown} step {key[1]}: no commit marker of it counts "
+                       "(each is empty, corrupt or a fenced-out stale writer's, see the other "
+                       "messages), so no rank of it is committed; a restore cannot use this "
+                       "step, restore an older one or from another tier")  # fmt: skip
+    elif not c.world_size:  # no marker could be read: none names a rank or a world size
         report.problem("commit", f"{loc.shown} step {key[1]}: none of its commit markers can be "
                        "read (each is empty or corrupt, see above), so no rank of it is "
                        "committed; a restore cannot use this step, restore an older one or "
@@ -299,6 +324,136 @@ async def _verify(loc, args: argparse.Namespace, report: Report, progress: Progr
     report.ranks.sort(key=lambda r: r["rank"])
 
 
+# ---- steps that are no checkpoint ----------------------------------------------------------
+# Commit markers naming ranks whose manifests are not stored (``tier_io.list_steps`` counts
+# those ranks as not committed), or markers whose writer a newer run of the job fenced out
+# (``CommittedStep.fenced``): restore and retention take the step as uncommitted and go on,
+# but the location holds something that is no checkpoint, so verify reports it (exit 1),
+# whichever step it verifies, saying what it looks like and what to do about it.
+
+
+@dataclass
+class _Leftover:
+    """A step of the listing that looks like a stray, a cut-short copy or a stale writer's."""
+
+    key: Key
+    step: tier_io.CommittedStep
+    missing: list[int]  # ranks the counted markers name whose manifest is not stored
+    present: list[int]  # ranks they name whose manifest is stored
+    fenced: tuple[str, ...]  # markers that do not count: a newer run fenced their writer out
+    older: list[str]  # nodes whose markers are of an earlier run than the counted ones
+    newest: Key | None  # the newest step committed at the location
+
+    @property
+    def stray(self) -> bool:
+        """Markers naming ranks none of whose manifests exist: no copy the agent wrote (it
+        puts a node's marker only after its ranks' manifests) nor one a writer was cut in."""
+        return bool(self.missing) and not (self.present or self.fenced or self.older)
+
+    def problem(self, loc, job: str, chosen: Key | None) -> dict[str, Any]:
+        gen, step = self.key
+        where = f"{loc.shown}/{layout.step_prefix(job, step, gen)}"
+        name = f"step {step}" + (f" (generation {gen})" if gen else "")
+        facts = []
+        if self.missing:
+            named = _ranks(sorted(self.missing + self.present))
+            if self.present:
+                many = len(self.missing) > 1
+                facts.append(f"its commit markers name {named}, but the manifest{'s' * many} of "
+                             f"{_ranks(self.missing)} {'are' if many else 'is'} not stored there")  # fmt: skip
+            else:
+                facts.append(f"its commit markers name {named}, and no manifest of "
+                             f"{'any of them' if len(self.missing) > 1 else 'it'} is stored there")  # fmt: skip
+        if self.fenced:
+            facts.append("commit markers there do not count, a newer run of the job having "
+                         f"fenced their writer out: {'; '.join(self.fenced)}")  # fmt: skip
+        elif self.older:
+            facts.append(f"the commit markers of nodes {', '.join(self.older)} are of an earlier "
+                         f"run of the job than run {self.step.incarnation}'s")  # fmt: skip
+        if self.fenced:
+            kind = "stale-step"
+            looks = "a stale writer's leftover"
+        elif self.stray:
+            kind = "stray-step"
+            looks = ("a stray, not a copy flashckpt's agent wrote (it puts a node's commit "
+                     "marker only after every one of its ranks' manifests): markers copied or "
+                     "written by hand, or a copy cut short before any manifest")  # fmt: skip
+        else:
+            kind = "stale-step"
+            looks = ("a stale writer's leftover (an agent of an earlier run still uploading, a "
+                     "second job under the same name) or a cut-short copy (a copy of the tier "
+                     "interrupted, or a step being removed: run verify again to tell)")  # fmt: skip
+        if self.step.complete and not self.missing:  # fenced beside markers that commit it
+            check = "" if chosen == self.key else f"check it with `verify --step {step}`, and "
+            todo = (f"the step counts only run {self.step.incarnation}'s markers, which commit it; "
+                    f"{check}remove the stale markers in {where} by hand once their writer is "
+                    "stopped")  # fmt: skip
+        elif self.newest is not None and self.key < self.newest:
+            todo = ("restore and retention take it as uncommitted; retention removes it with "
+                    "the steps older than the newest committed one (at the agent's next pass, "
+                    f"or now: `flashckpt gc {loc.shown} --job {job} --keep-last K`), or remove "
+                    f"{where} by hand")  # fmt: skip
+        else:
+            todo = ("restore and retention take it as uncommitted, and retention keeps it (it "
+                    "is newer than the newest committed step, as an upload in flight is): "
+                    f"remove {where} by hand once no writer of job {job} is at work there")  # fmt: skip
+        message = f"{where}: {name}: {'; '.join(facts)}; it looks like {looks}; {todo}"
+        return {"kind": kind, "message": message, "step": step, "generation": gen,
+                "missing_ranks": self.missing}  # fmt: skip
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {ranks_text(ranks)}"
+
+
+async def _leftovers(loc, job: str, listing: tier_io.Listing) -> list[_Leftover]:
+    """The steps of ``listing`` whose commit markers name ranks with no stored manifest, or
+    that hold markers of a fenced-out writer. A step with neither costs no request: only a
+    step the listing found a problem in has its markers read again, to name its ranks."""
+    suspect = {k: c for k, c in listing.items() if c is not None and c.problems}
+    found = {}
+    if suspect and isinstance(loc, TierLocation):
+        found = layout.scan(job, await loc.tier.list(f"{job}/"))
+    done = tier_io.complete(listing)
+    newest = max(done, default=None)
+    out = []
+    for key, c in sorted(listing.items(), key=lambda kc: (kc[0][1], kc[0][0])):
+        if c is None:
+            continue
+        fenced = tuple(getattr(c, "fenced", ()) or ())
+        missing: list[int] = []
+        present: list[int] = []
+        older: list[str] = []
+        if key in suspect and key in found:
+            named, older = await _named(loc.tier, found[key].markers, key[0], c.incarnation)
+            missing = sorted(named - found[key].manifests)
+            present = sorted(named & found[key].manifests)
+        if missing or fenced:
+            out.append(_Leftover(key, c, missing, present, fenced, older, newest))
+    return out
+
+
+async def _named(tier, markers: tuple[str, ...], generation: int,
+                 incarnation: int) -> tuple[set[int], list[str]]:  # fmt: skip
+    """The ranks the counted commit markers (of ``incarnation``) name, and the nodes whose
+    markers are of an earlier run. A marker that cannot be read is left out: the listing's
+    problems name it already."""
+
+    async def read(key: str) -> layout.CommitMarker | None:
+        try:
+            raw = await tier.get(key, 0, tier_io.MAX_MARKER_BYTES + 1)
+            if not raw or len(raw) > tier_io.MAX_MARKER_BYTES:
+                return None
+            return layout.CommitMarker.from_json(raw, key)
+        except (FlashCkptError, OSError):
+            return None
+
+    read_back = await asyncio.gather(*(read(k) for k in markers))
+    ours = [m for m in read_back if m is not None and m.lineage.generation == generation]
+    named = {r for m in ours if m.incarnation == incarnation for r in m.ranks}
+    return named, sorted(m.node for m in ours if m.incarnation < incarnation)
+
+
 def show(report: Report, out: Output) -> None:
     gen = f" (generation {report.generation})" if report.generation else ""
     step = f"step {report.step}{gen} in " if report.step is not None else ""
@@ -310,8 +465,17 @@ def show(report: Report, out: Output) -> None:
         out.problem(f"note: {note}")
     for p in report.problems:
         out.problem(p["message"])
-    if report.problems:
-        out.problem(f"{step}{report.location}: {len(report.problems)} problem(s) found")
+    chosen = (report.generation, report.step)
+    elsewhere = [p for p in report.problems
+                 if "step" in p and (p["generation"], p["step"]) != chosen]  # fmt: skip
+    steps = ", ".join(f"step {p['step']}" + (f" (generation {p['generation']})" if p["generation"]
+                                             else "") for p in elsewhere)  # fmt: skip
+    if report.problems and len(elsewhere) == len(report.problems) and report.ranks:
+        out.problem(f"{step}{report.location}: {len(report.ranks)} rank(s) verified, no problem "
+                    f"found in it; {len(elsewhere)} problem(s) found in other steps ({steps})")  # fmt: skip
+    elif report.problems:
+        also = f", {len(elsewhere)} of them in other steps ({steps})" if elsewhere else ""
+        out.problem(f"{step}{report.location}: {len(report.problems)} problem(s) found{also}")
     else:
         out.line(f"{step}{report.location}: {len(report.ranks)} rank(s) verified, no "
                  "problem found")  # fmt: skip
