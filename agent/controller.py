@@ -15,6 +15,12 @@ Built for thousands of nodes reporting every second (``benchmarks/scale.py`` mea
 report costs the same whatever the number of nodes (global commits are kept by counters, see
 ``commits.py``), nodes lost together are one detection, and an agent that keeps its report
 stream open (``Connect``) gets its kill orders pushed the moment they are decided.
+
+A lost node that a spare took is fenced: its name is the spare's from then on. When its own
+agent reports again (it was only stalled, or its keeper restarted it), it is refused: it never
+takes the node's entry back, its workers still running are ordered killed, and it is told which
+spare holds the node (``ReportReply.taken_by``); a report stream then ends. A lost node that no
+spare took comes back as before.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from flashckpt.faults.events import EventLog
 from . import spares
 from .commits import Coverage
 from .common_steps import held_steps
-from .job_view import JobState, Node, Seen, short_of_world
+from .job_view import JobState, Node, Seen, Taken, short_of_world
 from .replica_map import ReplicaMap
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,9 @@ class Controller:
     def report(self, r: pb.NodeReport, now: float | None = None) -> pb.ReportReply:
         now = time.monotonic() if now is None else now
         job = self.jobs.setdefault(r.job, JobState())
+        taken = None if r.spare else job.taken.get(r.node)
+        if taken is not None and taken.refuses(r, now):
+            return self._refuse(r, taken)
         node = job.nodes.get(r.node)
         if node is None or node.agent_id != r.agent_id:
             if node is not None and node.lost:
@@ -107,6 +116,20 @@ class Controller:
         return pb.ReportReply(kill_pids=sorted(node.kill), heartbeat_s=self.heartbeat, seq=r.seq,
                               common_known=known, expired_replicas=expired,
                               common=[pb.StepKey(generation=g, step=s) for g, s in common])  # fmt: skip
+
+    def _refuse(self, r: pb.NodeReport, taken: Taken) -> pb.ReportReply:
+        """The answer to an agent of a node a spare took: its live workers killed (the lost
+        node's, a second claimant of every rank they hold), the spare named."""
+        kill = sorted(w.pid for w in r.workers if w.alive and w.phase != "closed")
+        if r.agent_id not in taken.refused:
+            taken.refused.add(r.agent_id)
+            log.error("job %s: the agent %s of node %s reports again, but spare node %s took "
+                      "that node while it was lost: refused, and its %d running workers are "
+                      "ordered killed", r.job, r.agent_id, r.node, taken.spare, len(kill))  # fmt: skip
+            self._record("node_fenced", job=r.job, fenced_node=r.node, agent_id=r.agent_id,
+                         spare=taken.spare, ordered=kill)  # fmt: skip
+        return pb.ReportReply(kill_pids=kill, heartbeat_s=self.heartbeat, seq=r.seq,
+                              taken_by=taken.spare)  # fmt: skip
 
     def replica_map(self, name: str) -> ReplicaMap:
         if name not in self.replica_maps:
@@ -205,6 +228,9 @@ class Controller:
                                 "(flashckpt-run --spare): every worker restarts"}  # fmt: skip
         chosen = dict(zip(lost, free, strict=False))
         for node_name, spare_name in chosen.items():
+            gone = job.nodes[node_name]
+            job.taken[node_name] = Taken(spare_name, gone.agent_id,
+                                         {pid: s.started for pid, s in gone.workers.items()})  # fmt: skip
             spare = job.nodes[spare_name]
             spare.taking, spare.lost_silent_s = node_name, silent
             if deliver := self.watchers.get((name, spare_name)):
@@ -229,6 +255,7 @@ class Controller:
         del job.detections[:-_KEPT_DETECTIONS]
         ordered = {}
         if action == "kill":
+            job.taken.clear()  # the job restarts whole: every node joins it under its own name
             for node_name, n in job.nodes.items():
                 doomed = {pid for pid, s in n.workers.items()
                           if s.worker.alive and s.worker.phase != "closed" and s.started < failed_at}  # fmt: skip
@@ -321,6 +348,10 @@ class ControllerService(pb_grpc.ControllerServicer):
             try:
                 async for request in request_iterator:
                     await _check(request, context)
+                    reply = self.c.report(request)
+                    if reply.taken_by:  # refused: the orders, then the stream ends
+                        outbox.put_nowait(reply)
+                        return
                     if (request.job, request.node) not in watched:
                         for stop in watched.values():
                             stop()
@@ -332,7 +363,6 @@ class ControllerService(pb_grpc.ControllerServicer):
                                 outbox.put_nowait, _HANG_UP if r is None else r
                             ),
                         )
-                    reply = self.c.report(request)
                     # Answer when there is news (orders, a new heartbeat, new common steps),
                     # and every tenth report as a sign of life: half the messages of
                     # answering them all.
@@ -352,6 +382,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                 if reply is _HANG_UP:
                     return  # the controller stops: the stream ends cleanly, the node reconnects
                 await context.write(reply)
+                if reply.taken_by:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, taken_text(reply))
             await reader  # raises what ended the stream (an abort), if anything
         finally:
             reader.cancel()
@@ -365,6 +397,13 @@ class ControllerService(pb_grpc.ControllerServicer):
         if request.hop < 1 and not request.named:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hop must be >= 1")
         return self.c.holders(request)
+
+
+def taken_text(reply: pb.ReportReply) -> str:
+    """Why an agent is refused: its node is a spare's now (see the module doc)."""
+    return (f"spare node {reply.taken_by} took this node while it was lost and runs its ranks "
+            "under its name: this agent is refused and its workers here are killed; stop it "
+            "(this host can serve the job again as a spare: flashckpt-run --spare)")  # fmt: skip
 
 
 async def _check(request: pb.NodeReport, context) -> None:

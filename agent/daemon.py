@@ -32,7 +32,10 @@ DEFAULT_NICE = 10
 """How much lower than the trainers' the agent's CPU priority is (FLASHCKPT_AGENT_NICE)."""
 
 DEFAULT_GIVE_UP_AFTER = 3600.0
-"""Seconds an idle agent keeps retrying a tier that is behind before it exits anyway."""
+"""Seconds an idle agent keeps retrying a tier that is behind before it exits anyway. Once the
+launcher that started it is gone and its lease from the controller has lapsed, the tiers
+written under the lease (shared ones, peers' memory) are not waited for at all: nothing more
+can be written there (see ``link.Lease``); node-local tiers are still drained."""
 
 
 def claim(run_dir: Path, job: str) -> int:
@@ -54,8 +57,9 @@ async def serve(
 ) -> None:  # fmt: skip
     """Serve ``job`` until SIGTERM; with ``exit_when_idle``, also exit once no trainer is alive
     (nor ``while_pid``, the launcher that started it) and every tier holds the newest snapshot
-    (a failing tier is retried, with backoff, for ``give_up_after`` seconds first). Reports
-    the node to the job's controller when a launcher named one (see ``link``)."""
+    (a failing tier is retried, with backoff, for ``give_up_after`` seconds first; a tier
+    written under the lease not at all once the launcher is gone and the lease lapsed).
+    Reports the node to the job's controller when a launcher named one (see ``link``)."""
     config.validate_name("job", job)
     nice = config.setting_int("agent_nice", None, DEFAULT_NICE, lo=0, hi=19)
     if nice:  # the trainers first: persistence and replicas take the cycles they leave
@@ -83,15 +87,17 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     replicas = None
     if config.peer_replicas() > 0:  # a multi-node job: hold other nodes' newest steps
-        replicas = ReplicaStore(job, shm_dir, run_dir, metrics, node)
+        replicas = ReplicaStore(job, shm_dir, run_dir, metrics, node, j.events)
         try:
             await replicas.start()
         except (OSError, ConfigError) as exc:  # persistence goes on; peers find no store here
             log.error("job %s: this node holds no other node's replica: its replica store "
                       "cannot be served (%s); check FLASHCKPT_PEER_HOST", job, exc)  # fmt: skip
             replicas = None
+    unlinked = asyncio.Event()  # set once persistence drained: the lease holds until then
     link = asyncio.create_task(
-        Link(j, run_dir, service.agent_id, replicas=replicas).run(stop), name="controller link"
+        Link(j, run_dir, service.agent_id, replicas=replicas).run(unlinked),
+        name="controller link",
     )
     idle_since = None
     while not stop.is_set():
@@ -100,16 +106,28 @@ async def serve(
         for jb in service.jobs.values():
             jb.reclaim()
         if exit_when_idle is not None:
-            quiet = not (while_pid and pid_alive(while_pid)) and all(
-                not jb.trainers.alive() and jb.idle(give_up_after) for jb in service.jobs.values()
+            launcher = bool(while_pid) and pid_alive(while_pid)
+            orphan = bool(while_pid) and not launcher  # the launcher that started it is gone
+            quiet = not launcher and all(
+                not jb.trainers.alive()
+                and jb.idle(give_up_after, cut_off=orphan and not jb.may_write())
+                for jb in service.jobs.values()
             )
             idle_since = (idle_since or loop.time()) if quiet else None
             # Once the launcher that started it is gone, its workers are too: no grace.
-            grace = 0.0 if while_pid and not pid_alive(while_pid) else exit_when_idle
+            grace = 0.0 if orphan else exit_when_idle
             if idle_since is not None and loop.time() - idle_since >= grace:
                 for jb in service.jobs.values():
+                    cut_off = jb.cut_off() if orphan else []
                     for w in jb.workers.values():
-                        if w.state.lag_steps:
+                        if w.state.lag_steps and w in cut_off:
+                            log.error(
+                                "giving up on tier %s: step %d of job %s stays in shared memory "
+                                "only: its launcher is gone and its lease from the controller "
+                                "lapsed (nothing renews it: this node may have been replaced)",
+                                w.state.url, w.state.newest_in_memory[1], jb.name,
+                            )  # fmt: skip
+                        elif w.state.lag_steps:
                             log.error(
                                 "giving up on tier %s after %.0fs: step %d of job %s stays in "
                                 "shared memory only (%s)", w.state.url, give_up_after,
@@ -120,11 +138,12 @@ async def serve(
                 )
                 break
     stop.set()
-    await link
     log.info("shutting down: draining persistence (up to %.0fs)", drain_timeout)
     await server.stop(grace=2)
     for jb in service.jobs.values():
         await jb.drain(drain_timeout)
+    unlinked.set()  # the controller heard this node while it drained: its lease held
+    await link
     if replicas is not None:  # the job is over on this node: its memory goes back
         await replicas.close()
     log.info("drained; exiting")

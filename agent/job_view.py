@@ -1,7 +1,7 @@
 """What the controller knows of a job, all of it from its agents' reports: each node's
 workers (their start times on the controller's clock), tiers and replicas, whether it is
-lost, and the workers it was ordered to kill; and the job's detections, global commits and the
-steps every node's node-local tiers hold."""
+lost, and the workers it was ordered to kill; the nodes spares took while they were lost; and
+the job's detections, global commits and the steps every node's node-local tiers hold."""
 
 from __future__ import annotations
 
@@ -44,6 +44,31 @@ class Node:
         return any(s.worker.alive and s.worker.phase != "closed" for s in self.workers.values())
 
 
+@dataclass
+class Taken:
+    """A lost node a spare took: from then on the node's name is the spare's. The lost node's
+    own agent (``agent_id``), or a new agent of that node (its keeper's) that reports one of
+    its workers, is refused under that name."""
+
+    spare: str
+    agent_id: str  # the lost node's agent when it was found lost
+    workers: dict[int, float]  # the lost node's workers then: pid -> start (controller's clock)
+    refused: set[str] = field(default_factory=set)  # agents refused (each recorded once)
+
+    def refuses(self, report: pb.NodeReport, now: float) -> bool:
+        """Whether ``report`` comes from the lost node itself, not from the spare's agent."""
+        if report.agent_id == self.agent_id:
+            return True
+        for w in report.workers:  # the same process: its pid (another host's may be equal)
+            started = self.workers.get(w.pid)  # and when it started
+            if started is not None and abs(started - (now - w.age_s)) < _SAME_START:
+                return True
+        return False
+
+
+_SAME_START = 1.0  # two reports of one worker's start differ by their delays, far less
+
+
 def short_of_world(nodes: dict[str, Node]) -> bool:
     """Whether workers of the job run while some ranks of their world were never reported
     by any node: they run on a node whose agent has not reported them yet. The world is the
@@ -63,3 +88,5 @@ class JobState:
     commits: dict[str, tuple[int, int]] = field(default_factory=dict)  # url -> (gen, step)
     coverage: dict[str, Coverage] = field(default_factory=dict)  # url -> what nodes hold
     common: CommonSteps = field(default_factory=CommonSteps)  # steps on every node's NVMe
+    # Lost nodes taken by a spare, by name; forgotten when the job restarts whole.
+    taken: dict[str, Taken] = field(default_factory=dict)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from flashckpt.storage_tiers import open_tier
+from flashckpt.storage_tiers.peer import PeerTier
 from flashckpt.storage_tiers.registry import redact
 
 from flashckpt.faults.events import EventLog
@@ -34,14 +36,22 @@ class Job:
         self.common = LearnedCommon()  # the steps every node holds, from the controller
         self.workers: dict[str, TierWorker] = {}
         self._tasks: list[asyncio.Task] = []
+        # Whether this node may write to shared tiers and peers' memory now: False once its
+        # lease from the controller lapsed (the controller may have handed its ranks to a
+        # spare); the controller link sets it (``link.Lease``).
+        self.may_write: Callable[[], bool] = lambda: True
 
     async def add_tier(self, url: str) -> TierWorker:
         """Start persisting to ``url`` (idempotent per URL)."""
         if url in self.workers:
             return self.workers[url]
+        tier = open_tier(url)
+        if isinstance(tier, PeerTier):  # another node's memory: written under the lease too
+            tier.may_write = lambda: self.may_write()
         worker = TierWorker(
-            self.name, open_tier(url), self.shm_dir, self.node, self.metrics,
+            self.name, tier, self.shm_dir, self.node, self.metrics,
             trainers=self.trainers, owned=self.owned, common=self.common, events=self.events,
+            may_write=lambda: self.may_write(),
         )  # fmt: skip
         self.workers[url] = worker
         # Started in its own task: a tier slow to list (a holder that hangs, a throttled
@@ -54,9 +64,16 @@ class Job:
         for w in self.workers.values():
             w.wake.set()
 
-    def idle(self, give_up_after: float) -> bool:
-        """Every tier holds the newest snapshot, or has been behind for ``give_up_after`` s."""
-        return all(w.idle(give_up_after) for w in self.workers.values())
+    def idle(self, give_up_after: float, cut_off: bool = False) -> bool:
+        """Every tier holds the newest snapshot, or has been behind for ``give_up_after`` s.
+        With ``cut_off`` (the lease lapsed and nothing will renew it), the tiers written under
+        the lease count as idle: nothing more can be written there."""
+        return all(w.idle(give_up_after) or (cut_off and leased(w))
+                   for w in self.workers.values())  # fmt: skip
+
+    def cut_off(self) -> list[TierWorker]:
+        """The tiers written under the lease while it does not hold (nothing goes to them)."""
+        return [] if self.may_write() else [w for w in self.workers.values() if leased(w)]
 
     def owned(self, rank: int) -> bool:
         """Whether a live trainer holds ``rank``'s slots right now."""
@@ -108,6 +125,12 @@ class Job:
             await asyncio.gather(*late, return_exceptions=True)
         for w in self.workers.values():
             await w.close()
+
+
+def leased(worker: TierWorker) -> bool:
+    """Whether the worker's tier is written only under the lease: a shared tier, a peer's
+    memory."""
+    return worker.state.scope == "shared" or isinstance(worker.tier, PeerTier)
 
 
 def _closed_at(text: str) -> tuple[int, int]:

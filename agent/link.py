@@ -8,7 +8,14 @@ it decides them. A worker ordered killed gets SIGTERM, then SIGKILL after a grac
 stopped process gets SIGKILL at once (SIGTERM would wait for it to continue).
 The controller is found through ``<run_dir>/<job>.controller`` each round, so an agent that
 outlived one launch follows the next. A controller that is down or refuses the token costs
-nothing but a warning: training never waits on it.
+training nothing: it never waits on it.
+
+The node's writes where other nodes read (shared tiers, replicas in peers' memory) are held
+under a lease from the controller (``Lease``): each report the controller answers renews it,
+and it lapses after half the node timeout without one, so a node cut off from the controller
+stops those writes before the controller could declare it lost and hand its ranks to a spare.
+Node-local tiers go on. A node with no controller (no controller file) is not leased; a node
+the controller says a spare took (``taken_by``) never writes there again.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -29,15 +38,21 @@ from flashckpt.storage_tiers.registry import redact
 from flashckpt import config
 from flashckpt.faults import control
 from flashckpt.faults.control import Endpoint
+from flashckpt.faults.events import EventLog
 from flashckpt.faults.heartbeat import Phase, pages
 from flashckpt.faults.proc import parent_and_state
 
+from .controller import ACK_EVERY, DEFAULT_NODE_TIMEOUT, taken_text
 from .jobs import Job
 from .replicas import ReplicaStore
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KILL_GRACE = 5.0
+LEASE_SHARE = 0.5
+"""The lease lasts this share of the node timeout (FLASHCKPT_NODE_TIMEOUT) past the report the
+controller last answered: a node that cannot renew it stops writing where other nodes read
+half a node timeout before the controller could declare it lost."""
 
 
 def workers(shm_dir: Path, job: str) -> list[pb.Worker]:
@@ -54,18 +69,131 @@ def workers(shm_dir: Path, job: str) -> list[pb.Worker]:
     ]  # fmt: skip
 
 
+class Lease:
+    """This node's right to write where other nodes read (shared tiers, peers' memory), held
+    from the job's controller while one is known (its controller file names one).
+
+    Each report the controller answers renews it until ``seconds`` (LEASE_SHARE of the node
+    timeout) after the report was sent. The controller declares a node lost once it has heard
+    nothing from it for the node timeout, counted from when it last heard it, which is no
+    earlier than that send: the lease of a node that cannot renew it runs out half a node
+    timeout before. Until the controller's first answer the lease does not hold; once the
+    controller told the node to stop (``revoke``: a spare took its name) it never holds again.
+    A lapse and its end are logged and recorded (``lease_lapsed``, ``lease_regained``)."""
+
+    def __init__(self, job: str, events: EventLog | None = None,
+                 node_timeout: float | None = None,
+                 regained: Callable[[], None] = lambda: None):  # fmt: skip
+        """``regained`` is called when writes may go again after a lapse."""
+        timeout = config.setting_float("node_timeout", node_timeout, DEFAULT_NODE_TIMEOUT, lo=0.1)
+        self.job, self.events, self.regained = job, events, regained
+        self.node_timeout, self.seconds = timeout, LEASE_SHARE * timeout
+        self.leased = False  # a controller is known: writing takes its word
+        self.until = -math.inf  # monotonic time the lease holds until
+        self.revoked = ""  # why the controller told this node to stop for good
+        self._lapsed_at: float | None = None  # when it lapsed, while it is lapsed
+        self._timer: asyncio.TimerHandle | None = None
+
+    def valid(self) -> bool:
+        """Whether this node may write where other nodes read, now."""
+        if self.revoked:
+            return False
+        return not self.leased or time.monotonic() < self.until
+
+    def follow(self, known: bool, where: Path) -> None:
+        """A controller is known now (``where``, its file, names one), or not any more."""
+        if known == self.leased:
+            return
+        self.leased = known
+        if known:
+            log.info("job %s: writes to shared tiers and peers' memory wait for the controller's "
+                     "answer (they are leased from it)", self.job)  # fmt: skip
+        else:
+            log.info("job %s: no controller is known any more (%s is gone: its launcher ended "
+                     "the job here): writes are not leased", self.job, where)  # fmt: skip
+            self._regained("the controller file is gone")
+
+    def renew(self, sent_at: float) -> None:
+        """The controller answered the report sent at ``sent_at`` (monotonic)."""
+        until = sent_at + self.seconds
+        if self.revoked or until <= self.until:
+            return
+        if self.until == -math.inf:
+            log.info("job %s: the controller answered: this node's lease holds (%.1fs a report "
+                     "answered)", self.job, self.seconds)  # fmt: skip
+        self.until = until
+        if self.valid():
+            self._regained("the controller answers again")
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(
+                until - time.monotonic(), self.check
+            )
+
+    def check(self) -> None:
+        """Log and record the lapse, once, where the lease ran out."""
+        self._timer = None
+        if not self.leased or self.revoked or self._lapsed_at is not None:
+            return
+        now = time.monotonic()
+        if now < self.until:  # woken early
+            self._timer = asyncio.get_running_loop().call_later(self.until - now, self.check)
+            return
+        self._lapsed_at = now
+        silent = now - (self.until - self.seconds)
+        log.warning("job %s: this node's lease from the controller lapsed: no report answered "
+                    "for %.1fs (lease %.1fs, node timeout %.1fs); it writes no shared tier and no "
+                    "peer replica until the controller answers again", self.job, silent,
+                    self.seconds, self.node_timeout)  # fmt: skip
+        if self.events is not None:
+            self.events.record("lease_lapsed", silent_s=round(silent, 3), lease_s=self.seconds,
+                               node_timeout_s=self.node_timeout)  # fmt: skip
+
+    def revoke(self, why: str) -> None:
+        """The controller told this node to stop (a spare took its name): the lease never
+        holds again."""
+        if self.revoked:
+            return
+        self.revoked = why
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        log.error("job %s: the controller told this node to stop (%s): it writes no shared tier "
+                  "and no peer replica any more", self.job, why)  # fmt: skip
+        if self.events is not None:
+            self.events.record("lease_revoked", why=why)
+
+    def _regained(self, why: str) -> None:
+        if self._lapsed_at is None:
+            return
+        lapsed = time.monotonic() - self._lapsed_at
+        self._lapsed_at = None
+        log.warning("job %s: writes to shared tiers and peers' memory resume after %.1fs: %s",
+                    self.job, lapsed, why)  # fmt: skip
+        if self.events is not None:
+            self.events.record("lease_regained", lapsed_s=round(lapsed, 3), why=why)
+        self.regained()
+
+
 class Link:
     def __init__(self, job: Job, run_dir: Path, agent_id: str, kill_grace: float | None = None,
                  replicas: ReplicaStore | None = None):  # fmt: skip
         self.job, self.run_dir, self.agent_id = job, run_dir, agent_id
         self.replicas = replicas  # what this node holds for others, reported with it
         self.kill_grace = config.setting_float("kill_grace", kill_grace, DEFAULT_KILL_GRACE)
-        self.interval = 1.0
+        # Regained: every tier's worker goes at once (a peer's, refused meanwhile, may be
+        # waiting out its backoff).
+        self.lease = Lease(job.name, job.events, regained=job.wake)
+        job.may_write = self.lease.valid
+        # Reports go at least three times a lease: one lost answer never lapses it.
+        self.interval = min(1.0, self.lease.seconds / 3)
         self._endpoint: Endpoint | None = None
         self._channel: grpc.aio.Channel | None = None
         self._killing: dict[int, asyncio.Task] = {}
         self._warned = ""
         self._seq = 0
+        self._sent: dict[int, float] = {}  # seq -> when the report was sent (monotonic)
+        self._broken = False  # the last stream broke: the next one dials afresh
 
     def report(self, seq: int = 0) -> pb.NodeReport:
         j = self.job
@@ -102,13 +230,18 @@ class Link:
         orders carried out as they arrive. Returns when the stream breaks, the controller file
         names another controller, or ``stop``."""
         endpoint = Endpoint.load(self.run_dir, self.job.name)
-        if endpoint != self._endpoint:
+        self.lease.follow(endpoint is not None, control.file_path(self.run_dir, self.job.name))
+        # A stream that broke is followed by a fresh connection: a controller back on its
+        # address (restarted) is reached at once, not after the channel's reconnect backoff,
+        # which would keep this node's lease lapsed meanwhile.
+        if endpoint != self._endpoint or self._broken:
             await self._close()
-            self._endpoint = endpoint
             if endpoint is not None:
                 self._channel = endpoint.channel()
-                log.info("job %s: reporting to the controller at %s", self.job.name,
-                         endpoint.address)  # fmt: skip
+                if endpoint != self._endpoint:
+                    log.info("job %s: reporting to the controller at %s", self.job.name,
+                             endpoint.address)  # fmt: skip
+            self._endpoint, self._broken = endpoint, False
         if self._channel is None or endpoint is None:
             self.job.common.why = (
                 f"no controller is known on this node: {control.file_path(self.run_dir, self.job.name)} "
@@ -125,7 +258,12 @@ class Link:
             while not orders.done() and not stopping.done() and not call.done():
                 if Endpoint.load(self.run_dir, self.job.name) != endpoint:
                     return  # the next call follows the new controller
-                self._seq += 1
+                # Numbered for the controller's sign of life (it answers every ACK_EVERY-th):
+                # every report is answered, and each answer renews the lease.
+                self._seq += ACK_EVERY
+                self._sent[self._seq] = time.monotonic()
+                while len(self._sent) > 64:  # never answered: a stream that broke
+                    del self._sent[min(self._sent)]
                 await asyncio.wait_for(call.write(self.report(self._seq)), max(2.0, self.interval))
                 await asyncio.wait({orders, stopping}, timeout=self.interval,
                                    return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
@@ -136,17 +274,26 @@ class Link:
             stopping.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await orders  # what ended it, if anything, is for _warn to say
+            self._broken = (
+                not stop.is_set() and Endpoint.load(self.run_dir, self.job.name) == endpoint
+            )
         self._warn(endpoint, orders)
 
     async def _orders(self, call) -> None:
         """Act on every reply of ``call``: answers to reports and orders pushed unasked."""
         async for reply in call:
             self._warned = ""
+            if reply.taken_by:  # a spare took this node while it was lost: its writes are over
+                self.lease.revoke(taken_text(reply))
+            if reply.seq in self._sent:
+                self.lease.renew(self._sent[reply.seq])
+                for seq in [s for s in self._sent if s <= reply.seq]:
+                    del self._sent[seq]
             common = [(k.generation, k.step) for k in reply.common]
             if reply.seq and self.job.common.learn(reply.common_known, common):
                 self.job.wake()  # node-local tiers may retire what every node now holds
             if reply.heartbeat_s > 0:
-                self.interval = min(reply.heartbeat_s, 30.0)
+                self.interval = min(reply.heartbeat_s, 30.0, self.lease.seconds / 3)
             if reply.expired_replicas and self.replicas is not None:
                 await self.replicas.expire(list(reply.expired_replicas))
             for pid in reply.kill_pids:

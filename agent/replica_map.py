@@ -14,6 +14,9 @@ it is not needed any more:
   and a tier has committed a newer step for every rank of the job: no restore reads it again.
 
 Nothing else is expired: the newest copy of a node's state is never given back.
+
+A holder asks (``Holders``) whether a node that writes to it is declared lost: a lost node's
+puts and deletes are refused until it reports again.
 """
 
 from __future__ import annotations
@@ -82,10 +85,11 @@ class ReplicaMap:
     def holders(self, nodes: dict[str, Node], request: pb.HoldersRequest) -> pb.HoldersReply:
         me = request.node
         reported = bool(self.held.get(me))
+        lost = me in nodes and nodes[me].lost  # its holders take no write from it
         if request.named:
             n = nodes.get(request.named)
             found = pb.PeerHolder(node=request.named, address=n.peer_address if n else "")
-            return pb.HoldersReply(assigned=found, read_from=found, reported=reported)
+            return pb.HoldersReply(assigned=found, read_from=found, reported=reported, lost=lost)
         if me in nodes:
             mine = self.assigned(nodes).get(me, [])
         else:  # a node started again wiped, before its agent reports: placed as a source
@@ -103,7 +107,8 @@ class ReplicaMap:
         def at(name: str) -> pb.PeerHolder:
             return pb.PeerHolder(node=name, address=nodes[name].peer_address if name else "")
 
-        return pb.HoldersReply(assigned=at(here), read_from=at(read), reported=reported)
+        return pb.HoldersReply(assigned=at(here), read_from=at(read), reported=reported,
+                               lost=lost)  # fmt: skip
 
     # ---- what may be given back -------------------------------------------------------------
     def expired(self, nodes: dict[str, Node], holder_name: str,

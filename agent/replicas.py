@@ -27,6 +27,16 @@ The service is built to face the network:
   mid-put is cut off, its temporary removed and its reservation freed;
 - refused clients are logged at most once per 10 s, with a count.
 
+Writes are fenced where they land. Each put and delete carries the writer's run of the job
+(its ``incarnation``; none counts as 0). The store keeps the newest run it took a put of for
+the job (and, after a restart, the newest its held commit markers name): a put or a delete of
+an older run is refused (``stale``), so a writer whose run is over (an agent left over from an
+earlier run, cut off while the job moved on) never replaces a newer run's replica. A put or a
+delete from a node the job's controller declares lost is refused too (``lost``), until the node
+reports again; the controller is asked at most every ``LOST_TTL_S`` per node. Each refusal is
+answered with its reason, logged and recorded in the job's event log (``replica_refused``), at
+most once per ``SAY_EVERY_S`` per node and reason.
+
 Space is reserved before a put is accepted: under the event loop's single thread, the check
 and the reservation are one step, so concurrent puts cannot break ``RESERVE`` (10 % of shared
 memory, kept free for the trainers' own slots). A put in flight counts at its full size until
@@ -46,18 +56,20 @@ import re
 import shutil
 import socket
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
 from flashckpt.storage_tiers.base import check_key
 from flashckpt.storage_tiers.local import LocalTier
-from flashckpt.storage_tiers.peer import SERVICE
+from flashckpt.storage_tiers.peer import SERVICE, declared_lost
 from flashckpt.storage_tiers.registry import parse_spec
 
 from flashckpt import config
 from flashckpt import node_channel as wire
-from flashckpt.errors import CheckpointNotFoundError, ConfigError
+from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
 from flashckpt.faults.control import Endpoint, split_address
+from flashckpt.faults.events import EventLog
 from flashckpt.format import tier_io
 from flashckpt.safe_paths import private_dir
 
@@ -71,6 +83,8 @@ MAX_PER_ADDRESS = 32
 REQUEST_LIMIT = 64 << 10  # a request's header after the handshake (keys are short)
 PIECE = 8 << 20  # bytes of a put read per deadline
 SEND_PIECE = 64 << 20  # bytes of a get sent per deadline (each sendfile call stalls the pipe)
+LOST_TTL_S = 1.0  # the controller's word on whether a writing node is lost is kept this long
+SAY_EVERY_S = 10.0  # a node refused again for the same reason is logged at most this often
 _COMMIT_NAME = re.compile(r"commit-[A-Za-z0-9._-]+\.json")
 
 
@@ -102,9 +116,14 @@ class ReplicaStore:
     """Serves one job's replica store on TCP (see the module doc)."""
 
     def __init__(self, job: str, shm_dir: Path, run_dir: Path, metrics: Any = None,
-                 node: str | None = None):  # fmt: skip
+                 node: str | None = None, events: EventLog | None = None):  # fmt: skip
         self.job, self.shm_dir, self.run_dir, self.metrics = job, shm_dir, run_dir, metrics
         self.node = node or config.node_name()  # this holder's own name
+        self.events = events  # the job's event log on this node: refused writers
+        self.newest_run = 0  # the newest run of the job a put was taken from (the fence)
+        self.fenced = 0  # puts and deletes refused: an older run, or a lost node
+        self._lost: dict[str, tuple[float, bool]] = {}  # node -> (when asked, lost)
+        self._said: dict[tuple[str, str], tuple[float, int]] = {}  # (node, why) -> (when, unsaid)
         self.root = store_root(shm_dir, job)
         self.refused = 0  # replicas refused for want of memory
         self.served: collections.Counter[str] = collections.Counter()  # requests by op
@@ -152,8 +171,11 @@ class ReplicaStore:
                          node, leftover.key)  # fmt: skip
 
     async def held(self) -> list[tuple[str, int, int, list[int]]]:
-        """(source node, generation, step, ranks) of every complete replica held."""
-        return await held_replicas(self.root, self.job)
+        """(source node, generation, step, ranks) of every complete replica held; the newest
+        run their commit markers name raises the fence (a restarted store keeps it)."""
+        listed = await _listed(self.root, self.job)
+        self.newest_run = max([self.newest_run, *(run for *_, run in listed)])
+        return [held[:4] for held in listed]
 
     async def close(self, remove: bool = True) -> None:
         """Stop serving and end every connection; with ``remove``, give the memory back (the
@@ -263,6 +285,14 @@ class ReplicaStore:
         op, tier = header.get("op"), self.tier(node)
         self.served[str(op)] += 1
         try:
+            if op in ("put", "delete"):
+                run = header.get("incarnation", 0)
+                if type(run) is not int or run < 0:
+                    raise ValueError(f"incarnation must be a whole number >= 0, found {run!r}")
+                refused = await self._fence(node, op, header, run)
+                if refused is not None:
+                    await _answer(writer, refused)
+                    return op != "put"  # a put's bytes would follow: the connection ends
             if op == "put":
                 return await self._put(tier, node, header, reader, writer, stall)
             if op == "get":
@@ -308,12 +338,63 @@ class ReplicaStore:
             if leftover.key == key and leftover.name == name:
                 await tier.remove_leftover(leftover)
 
+    async def _fence(self, node: str, op: str, header: dict, run: int) -> dict | None:
+        """The refusal to answer ``node``'s ``op`` of run ``run`` with; None if it may write."""
+        what = header.get("key", header.get("prefix"))
+        if run < self.newest_run:
+            why = "stale"
+            error = (f"node {self.node} refuses node {node}'s {op} of {what!r}: it is of run {run} "
+                     f"of job {self.job}, and this holder took run {self.newest_run} of the job "
+                     "since; a writer of a run that is over (an agent left over from an earlier "
+                     "run, or cut off while the job moved on) never replaces a newer run's "
+                     "replica")  # fmt: skip
+        elif await self._declared_lost(node):
+            why = "lost"
+            error = (f"node {self.node} refuses node {node}'s {op} of {what!r}: the job's "
+                     f"controller declared node {node} lost (it may be replaced); its replicas "
+                     "are taken again once it reports to the controller")  # fmt: skip
+        else:
+            return None
+        self.fenced += 1
+        self._say(node, why, error, op=op, key=str(what), run=run, newest_run=self.newest_run)
+        return {"ok": False, "code": why, "error": error}
+
+    async def _declared_lost(self, node: str) -> bool:
+        """Whether the job's controller declares ``node`` lost, as it last said (asked at most
+        every LOST_TTL_S; where it cannot be asked, its last answer stands, else not lost)."""
+        now = time.monotonic()
+        known = self._lost.get(node)
+        if known is not None and now - known[0] < LOST_TTL_S:
+            return known[1]
+        try:
+            lost = await declared_lost(self.job, node, self.run_dir)
+        except TierUnavailableError as exc:
+            log.debug("job %s: cannot ask whether node %s is lost: %s", self.job, node, exc)
+            lost = known[1] if known is not None else False
+        self._lost[node] = (time.monotonic(), lost)
+        return lost
+
+    def _say(self, node: str, why: str, error: str, **fields: Any) -> None:
+        """Log and record a refusal, at most once per SAY_EVERY_S per node and reason."""
+        now = time.monotonic()
+        said, unsaid = self._said.get((node, why), (-SAY_EVERY_S, 0))
+        if now - said < SAY_EVERY_S:
+            self._said[node, why] = (said, unsaid + 1)
+            return
+        self._said[node, why] = (now, 0)
+        more = f" ({unsaid} more since it was last said)" if unsaid else ""
+        log.warning("job %s: %s%s", self.job, error, more)
+        if self.events is not None:
+            self.events.record("replica_refused", source=node, why=why, refused_since=unsaid,
+                               **fields)  # fmt: skip
+
     def _in_job(self, key: str) -> None:
         if key.split("/", 1)[0] != self.job:
             raise ConfigError(f"{key!r} is not of job {self.job!r}")
 
     async def _put(self, tier: LocalTier, node: str, header: dict, reader: asyncio.StreamReader,
                    writer: asyncio.StreamWriter, stall: float) -> bool:  # fmt: skip
+        """Take one put (fenced already: ``_fence``)."""
         key, size = check_key(_text(header, "key")), header.get("size")
         self._in_job(key)
         if type(size) is not int or size < 0:
@@ -329,6 +410,8 @@ class ReplicaStore:
                                    "error": f"node {self.node} {short}"})  # fmt: skip
             return False
         self.reserved += size
+        # Taken: a writer of an older run is refused from now on, even while this put lasts.
+        self.newest_run = max(self.newest_run, header.get("incarnation", 0))
         try:
             await _answer(writer, {"ok": True})
 
@@ -402,6 +485,11 @@ def store_root(shm_dir: Path, job: str) -> Path:
 
 async def held_replicas(root: Path, job: str) -> list[tuple[str, int, int, list[int]]]:
     """(source node, generation, step, ranks) of every complete replica under ``root``."""
+    return [held[:4] for held in await _listed(root, job)]
+
+
+async def _listed(root: Path, job: str) -> list[tuple[str, int, int, list[int], int]]:
+    """(source node, generation, step, ranks, run) of every complete replica under ``root``."""
     out = []
     for node in _sources(root):
         try:
@@ -410,7 +498,7 @@ async def held_replicas(root: Path, job: str) -> list[tuple[str, int, int, list[
         except (OSError, ConfigError):
             continue
         for (gen, step), c in sorted(tier_io.complete(listing).items()):
-            out.append((node, gen, step, sorted(c.ranks)))
+            out.append((node, gen, step, sorted(c.ranks), c.incarnation))
     return out
 
 

@@ -87,7 +87,7 @@ class NodeReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common", "take_node", "lost_silent_s", "job_over")
+    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common", "take_node", "lost_silent_s", "job_over", "taken_by")
     EXPIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class ReportReply(_message.Message):
     TAKE_NODE_FIELD_NUMBER: _ClassVar[int]
     LOST_SILENT_S_FIELD_NUMBER: _ClassVar[int]
     JOB_OVER_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_BY_FIELD_NUMBER: _ClassVar[int]
     expired_replicas: _containers.RepeatedScalarFieldContainer[str]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
@@ -106,7 +107,8 @@ class ReportReply(_message.Message):
     take_node: str
     lost_silent_s: float
     job_over: bool
-    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ..., take_node: _Optional[str] = ..., lost_silent_s: _Optional[float] = ..., job_over: _Optional[bool] = ...) -> None: ...
+    taken_by: str
+    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ..., take_node: _Optional[str] = ..., lost_silent_s: _Optional[float] = ..., job_over: _Optional[bool] = ..., taken_by: _Optional[str] = ...) -> None: ...
 
 class HoldersRequest(_message.Message):
     __slots__ = ("job", "node", "hop", "failure_domain", "named")
@@ -131,14 +133,16 @@ class PeerHolder(_message.Message):
     def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HoldersReply(_message.Message):
-    __slots__ = ("assigned", "read_from", "reported")
+    __slots__ = ("assigned", "read_from", "reported", "lost")
     ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     READ_FROM_FIELD_NUMBER: _ClassVar[int]
     REPORTED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     assigned: PeerHolder
     read_from: PeerHolder
     reported: bool
-    def __init__(self, assigned: _Optional[_Union[PeerHolder, _Mapping]] = ..., read_from: _Optional[_Union[PeerHolder, _Mapping]] = ..., reported: _Optional[bool] = ...) -> None: ...
+    lost: bool
+    def __init__(self, assigned: _Optional[_Union[PeerHolder, _Mapping]] = ..., read_from: _Optional[_Union[PeerHolder, _Mapping]] = ..., reported: _Optional[bool] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class JobStatusRequest(_message.Message):
     __slots__ = ("job",)

@@ -21,15 +21,23 @@ the first lists, the others read its answer from the run directory.
 After the handshake, requests go one at a time, each a frame, and for ``put`` and ``get`` the
 raw bytes after it:
 
-- ``put {key, size}``: ``ok`` (room reserved, send) or an error; the bytes follow; ``ok`` once
-  they are stored whole, under their key, atomically;
+- ``put {key, size, incarnation}``: ``ok`` (room reserved, send) or an error; the bytes
+  follow; ``ok`` once they are stored whole, under their key, atomically;
 - ``get {key, start, end}``: ``ok {size}`` and that many bytes, or an error;
-- ``list {prefix}``: ``ok {keys}``; ``delete {prefix}``: ``ok``;
+- ``list {prefix}``: ``ok {keys}``; ``delete {prefix, incarnation}``: ``ok``;
 - ``leftovers {prefix}``: ``ok {leftovers}`` (what a crashed upload left at the holder);
   ``remove_leftover {key, name}``: ``ok``.
 
 A node reaches only its own replicas: the holder files each request under the node name the
 handshake bound.
+
+Writes are fenced where they land. A put or a delete carries the writer's run of the job (its
+``incarnation``; none counts as 0): the run of the manifest a rank's data and manifest are put
+with (a rank's data is sent together with its manifest, which follows it), of the commit marker
+put, and otherwise the newest this writer put. The holder refuses a run older than the newest
+it took for the job (``stale``: StaleWriterError here) and a node the controller declared lost
+(``lost``). A node's own agent puts nothing while its lease from the controller lapsed
+(``may_write``, set by the agent: see ``agent/link.py``).
 """
 
 from __future__ import annotations
@@ -37,17 +45,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
+import re
 import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from flashckpt import config
 from flashckpt import node_channel as wire
-from flashckpt.errors import CheckpointNotFoundError, ConfigError, TierUnavailableError
+from flashckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    StaleWriterError,
+    TierUnavailableError,
+)
 
 from . import peer_listing as shared_listing
 from . import threads
@@ -56,7 +71,7 @@ from .peer_placement import PeerNode, holder
 from .registry import option
 from .threads import in_thread
 
-__all__ = ["PeerNode", "PeerTier", "holder", "peer_timeout", "replicas_of"]
+__all__ = ["PeerNode", "PeerTier", "declared_lost", "holder", "peer_timeout", "replicas_of"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +85,9 @@ SEND_PIECE = 1 << 20  # a put checks between pieces whether its caller was cance
 PIECE = 8 << 20  # bytes received per socket call
 RESOLVE_TTL_S = 5.0  # a holder looked up is used this long before it is looked up again
 _RESOLVED: dict[tuple, tuple[float, PeerNode, PeerNode]] = {}  # key -> (when, store, read)
+_RANK_DATA = re.compile(r"(.+/rank-[0-9]+)/data")
+_RANK_MANIFEST = re.compile(r"(.+/rank-[0-9]+)/manifest\.json")
+_COMMIT = re.compile(r".+/commit-[A-Za-z0-9._-]+\.json")
 
 
 def peer_timeout() -> float:
@@ -98,7 +116,17 @@ async def replicas_of(
             for n in reply.nodes for r in n.replicas if r.source == source]  # fmt: skip
 
 
-async def _ask(job: str, run_dir: Any, method: str, request: Any) -> Any:
+async def declared_lost(job: str, node: str, run_dir: Any = None, timeout: float = 1.0) -> bool:
+    """Whether the job's controller declares ``node`` lost now (its holders take no write
+    from it); TierUnavailableError where the controller cannot say within ``timeout``."""
+    from flashckpt.proto import controller_pb2 as pb
+
+    request = pb.HoldersRequest(job=job, node=node, hop=1)
+    return (await _ask(job, run_dir, "Holders", request, timeout)).lost
+
+
+async def _ask(job: str, run_dir: Any, method: str, request: Any,
+               timeout: float | None = None) -> Any:  # fmt: skip
     """One call to the job's controller; TierUnavailableError without one."""
     from flashckpt.proto import controller_pb2_grpc as pb_grpc
 
@@ -115,7 +143,7 @@ async def _ask(job: str, run_dir: Any, method: str, request: Any) -> Any:
         async with endpoint.channel() as channel:
             stub = pb_grpc.ControllerStub(channel)
             return await getattr(stub, method)(request, metadata=endpoint.metadata(),
-                                               timeout=peer_timeout())  # fmt: skip
+                                               timeout=timeout or peer_timeout())  # fmt: skip
     except Exception as exc:  # grpc.aio.AioRpcError and transport errors alike
         raise TierUnavailableError(
             f"peer replicas of job {job!r}: the controller at {endpoint.address} cannot list "
@@ -135,6 +163,12 @@ class PeerTier(Tier):
             raise ConfigError(f"tier {spec.url}: hop must be >= 1, got {self.hop}")
         self.named = "" if spec.location in ("", "auto") else spec.location
         self.peer: PeerNode | None = None  # the holder last used (for messages and events)
+        # Whether this node may store replicas now: the agent sets it to its lease from the
+        # job's controller (a node cut off from it may have had its ranks given to a spare).
+        self.may_write: Callable[[], bool] = lambda: True
+        self._runs: dict[str, int] = {}  # job -> the newest run this writer put
+        # A rank's data, held until its manifest is put: both go with the manifest's run.
+        self._data: dict[str, tuple[str, list, int]] = {}
 
     # ---- where ------------------------------------------------------------------------
     def _key(self, job: str) -> tuple:
@@ -235,12 +269,39 @@ class PeerTier(Tier):
             raise
 
     async def put(self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview],
-                  size: int) -> None:  # fmt: skip
+                  size: int, exclusive: bool = False) -> None:  # fmt: skip
+        """``exclusive`` is not kept here: a peer's memory holds one copy a rank, replaced by
+        its newer snapshots, and its holder refuses writers of an older run.
+
+        A rank's data (``.../rank-<R>/data``) is sent with the rank's manifest, put next: the
+        holder takes both as of the manifest's run, or neither."""
         check_key(key)
+        job = key.split("/", 1)[0]
+        manifest = _RANK_MANIFEST.fullmatch(key)
+        # Taken first: whatever fails from here on, no view of the data outlives this call.
+        data = self._data.pop(manifest.group(1), None) if manifest is not None else None
+        self._leased(job)
         views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
+        rank = _RANK_DATA.fullmatch(key)
+        if rank is not None:
+            self._data[rank.group(1)] = (key, views, size)
+            return
+        puts = [(key, views, size)] if data is None else [data, (key, views, size)]
+        run = self._runs.get(job, 0)
+        if manifest is not None or _COMMIT.fullmatch(key):
+            run = _run_of(views)
         stop = threading.Event()  # set when the caller is cancelled: the send ends there
-        await self._call(key, _put, key, views, size, stop, reading=False, stop=stop)
+        await self._call(key, _put, puts, run, stop, reading=False, stop=stop)
+        self._runs[job] = max(run, self._runs.get(job, 0))
         shared_listing.stale(config.run_dir(), key)
+
+    def _leased(self, job: str) -> None:
+        if not self.may_write():
+            raise TierUnavailableError(
+                f"peer replicas of job {job!r}: not stored: this node's lease from the job's "
+                "controller lapsed (the controller has not answered it within the lease, and may "
+                "be giving its ranks to a spare); they are stored again once it answers"
+            )
 
     async def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         check_key(key)
@@ -282,7 +343,11 @@ class PeerTier(Tier):
 
     async def delete(self, prefix: str) -> None:
         check_key(prefix, prefix=True)
-        await self._call(prefix, _delete, prefix, reading=False)
+        job = prefix.split("/", 1)[0]
+        self._leased(job)
+        for held in [k for k in self._data if k.startswith(prefix)]:
+            del self._data[held]
+        await self._call(prefix, _delete, prefix, self._runs.get(job, 0), reading=False)
         shared_listing.stale(config.run_dir(), prefix)
 
     async def leftovers(self, prefix: str) -> list[Leftover]:
@@ -301,7 +366,7 @@ class PeerTier(Tier):
         return None if peer is None else f"peer {peer.name} ({peer.address}) memory"
 
     async def close(self) -> None:
-        return None
+        self._data.clear()
 
 
 # ---- one request each, on a connected socket (run in a thread) -----------------------------
@@ -313,23 +378,36 @@ def _reply(sock: socket.socket, peer: PeerNode) -> dict:
     return wire.recv_frame(sock, f"peer {peer.name}")
 
 
-def _put(sock: socket.socket, peer: PeerNode, key: str, views: list, size: int,
+def _run_of(views: list) -> int:
+    """The run of the job (``incarnation``) a manifest or a commit marker names; 0 where it
+    names none (written before runs were kept) or cannot be read (the holder stores it as it
+    is: a restore checks what it reads)."""
+    try:
+        doc = json.loads(b"".join(bytes(v) for v in views))
+    except ValueError:
+        return 0
+    run = doc.get("incarnation", 0) if isinstance(doc, dict) else 0
+    return run if type(run) is int and run >= 0 else 0
+
+
+def _put(sock: socket.socket, peer: PeerNode, puts: list[tuple[str, list, int]], run: int,
          stop: threading.Event) -> None:  # fmt: skip
     # The holder makes room first (allocating a large replica takes a while), and a large
     # upload's sendall is one socket call: an upload is no restore's wait.
     sock.settimeout(IO_TIMEOUT_S)
-    _send(sock, {"op": "put", "key": key, "size": size})
-    _reply(sock, peer)  # room made: send
-    sent = 0
-    for view in views:
-        flat = memoryview(view).cast("B")
-        for at in range(0, len(flat), SEND_PIECE):  # a cancelled put reads no further
-            threads.check(stop)
-            sock.sendall(flat[at : at + SEND_PIECE])
-        sent += len(flat)
-    if sent != size:
-        raise wire.WireError("bad", f"{key}: {sent} bytes given for a size of {size}")
-    _reply(sock, peer)
+    for key, views, size in puts:
+        _send(sock, {"op": "put", "key": key, "size": size, "incarnation": run})
+        _reply(sock, peer)  # room made: send
+        sent = 0
+        for view in views:
+            flat = memoryview(view).cast("B")
+            for at in range(0, len(flat), SEND_PIECE):  # a cancelled put reads no further
+                threads.check(stop)
+                sock.sendall(flat[at : at + SEND_PIECE])
+            sent += len(flat)
+        if sent != size:
+            raise wire.WireError("bad", f"{key}: {sent} bytes given for a size of {size}")
+        _reply(sock, peer)
 
 
 def _get(sock: socket.socket, peer: PeerNode, key: str, start: int, end: int | None) -> bytes:
@@ -404,8 +482,8 @@ def _list(sock: socket.socket, peer: PeerNode, prefix: str) -> list[str]:
     return sorted(keys)
 
 
-def _delete(sock: socket.socket, peer: PeerNode, prefix: str) -> None:
-    _send(sock, {"op": "delete", "prefix": prefix})
+def _delete(sock: socket.socket, peer: PeerNode, prefix: str, run: int) -> None:
+    _send(sock, {"op": "delete", "prefix": prefix, "incarnation": run})
     _reply(sock, peer)
 
 
@@ -433,4 +511,6 @@ def _as_error(exc: wire.WireError, peer: PeerNode) -> Exception:
         import errno
 
         return OSError(errno.ENOSPC, str(exc))
+    if exc.code == "stale":  # a newer run of the job writes there: this writer's run is over
+        return StaleWriterError(f"{exc} (peer {peer.name} at {peer.address})")
     return TierUnavailableError(f"{exc} (peer {peer.name} at {peer.address})")

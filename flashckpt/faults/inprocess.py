@@ -12,7 +12,9 @@ each from its own shared memory. Each round has the deadline to form: its proces
 made over a ``RoundStore``, whose waits end as soon as the round is over or late (a rank that
 arrived and died is not waited for), and its first barrier runs under a ``RoundWatch`` with
 that deadline. A rank gives up (``EXIT_GAVE_UP``, and the launcher falls back to restarting
-every worker) when no round forms in time. While a round trains, a ``collectives.Sampler``
+every worker) when no round forms in time. A round admits one process per rank: the first to
+claim the rank's number in it holds it, and a second claimant (the workers of a node a spare
+took, come back) exits (``EXIT_CLAIMED``) instead of being counted. While a round trains, a ``collectives.Sampler``
 copies the collectives issued into the heartbeat page: the evidence that names a hang's
 culprit (``culprit``).
 
@@ -35,7 +37,9 @@ import datetime
 import gc
 import logging
 import os
+import socket
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +58,8 @@ log = logging.getLogger(__name__)
 
 EXIT_GAVE_UP = 75
 """A worker's exit status when its round did not form in time: restart everything."""
+EXIT_CLAIMED = 77
+"""A worker's exit status when another process holds its rank in its round: it stands down."""
 STORE_ENV = "FLASHCKPT_RECOVERY_STORE"  # host:port of the launcher's recovery store
 NAMESPACE_ENV = "FLASHCKPT_RECOVERY_NAMESPACE"  # keys of this incarnation of the worker group
 ROUND_ENV = "FLASHCKPT_RECOVERY_ROUND"  # the round a replacement joins
@@ -176,6 +182,19 @@ def namespace(env: Mapping[str, str]) -> str:
     return env.get(NAMESPACE_ENV) or f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
 
 
+def last_round(store: Any, ns: str, rank: int) -> int:
+    """The newest round ``rank`` was held in: the round its holder recorded, or a later one
+    it claimed (a holder killed between claiming the rank and recording the round). Its
+    replacement joins a later one: there the rank is free."""
+    key = f"flashckpt/{ns}"
+    last, now = (int(store.get(k).decode()) if store.check([k]) else 0
+                 for k in (f"{key}/rank-{rank}/round", f"{key}/round"))  # fmt: skip
+    for n in range(last + 1, now + 1):
+        if store.check([f"{key}/round-{n}/claim-{rank}"]):
+            last = n
+    return last
+
+
 def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
     """Move the job from round ``past`` to ``past + 1``, unless a later round is named
     already, and mark round ``past`` over (round watches wake on it); the job's round now.
@@ -263,6 +282,9 @@ class Rounds:
         self._round_store: RoundStore | None = None  # the round's groups' store: kept alive
         self._watch_on = watch_setting()
         self.budget = Budget.from_env()
+        # Who claims this rank in a round: unique to this process, readable in a refusal.
+        self.claimant = (f"{config.node_name()} (host {socket.gethostname()}, pid {os.getpid()}, "
+                         f"{uuid.uuid4().hex[:8]})")  # fmt: skip
 
     def _round_source(self) -> NodeRound | StoreRound:
         """Where this rank's watch learns that its round is over: the node's round file when
@@ -305,6 +327,7 @@ class Rounds:
         round meanwhile (a rank that arrived has died, and was replaced into the next)."""
         if self.round > 0:
             self._check_budget()
+        self._claim()
         self.store.set(self.key(f"rank-{self.rank}/round"), str(self.round))
         arrived, formed = (
             self.key(f"round-{self.round}/arrived"),
@@ -349,6 +372,20 @@ class Rounds:
         _set_pg_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))  # for training
         self._round_store.formed()
         return True
+
+    def _claim(self) -> None:
+        """Hold this rank in this round, or exit (``EXIT_CLAIMED``) if another process does:
+        the round counts each rank once, and its process group has one process a rank."""
+        key = self.key(f"round-{self.round}/claim-{self.rank}")
+        holder = self.store.compare_set(key, "", self.claimant).decode()
+        if holder == self.claimant:
+            self._record("inprocess_claimed")
+            return
+        log.error("rank %d: %s holds rank %d in round %d already; this process (%s) is a second "
+                  "claimant of it (its node was taken by a spare node while it was found lost) "
+                  "and exits", self.rank, holder, self.rank, self.round, self.claimant)  # fmt: skip
+        self._record("inprocess_claim_refused", holder=holder)
+        os._exit(EXIT_CLAIMED)
 
     def _current_round(self) -> int:
         return int(self.store.get(self.key("round")).decode())

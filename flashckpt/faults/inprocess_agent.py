@@ -10,6 +10,11 @@ recovery cannot finish (no standby, a round that does not form within its deadli
 that gave up on it) every worker is killed and TorchElastic restarts the group as before; the
 event log says why. A worker that crashes after closing its Checkpointer (its last step done)
 is not a fault: it is logged and left alone.
+
+A node that a spare node took while it was found lost (its agent silent, the node alive) is
+fenced here too: when its launcher sees the job's round move, or a worker of its own fail, it
+looks for the spare's mark (``spare.was_replaced``) and, found, kills its workers (each a second
+claimant of a rank the spare holds now), replaces none, and ends without the exit barrier.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ from .inprocess import (
     NAMESPACE_ENV,
     ROUND_ENV,
     ROUND_FILE_ENV,
+    last_round,
     move_round,
     namespace,
 )
-from .spare import publish_node
+from .spare import publish_node, run_ended, run_started, was_replaced
 from .standby import READY_FD_ENV, SCRIPT_ENV
 
 log = logging.getLogger(__name__)
@@ -146,6 +152,7 @@ class RoundRelay(threading.Thread):
         super().__init__(name="flashckpt-round-relay", daemon=True)
         self.address, self.ns, self.path, self.interval = address, ns, path, interval
         self.halt = threading.Event()
+        self.round: int | None = None  # the round last relayed (the supervisor looks)
 
     def run(self) -> None:
         key = f"flashckpt/{self.ns}"
@@ -162,6 +169,7 @@ class RoundRelay(threading.Thread):
                     if now != round:
                         round = now
                         write_atomic(self.path, str(round).encode())
+                        self.round = round
             except Exception as exc:  # a store blip: look again next time
                 log.debug("round relay: %s", exc)
                 store = None
@@ -183,6 +191,12 @@ class Supervisor:
         self.world = 0
         self.recovery: Recovery | None = None
         self.recovered = 0
+        # The job, for its marks in the store: its event log is <run_dir>/<job>.events.jsonl
+        # (the workers' FLASHCKPT_JOB says it once they start).
+        self.job = events.path.name.removesuffix(".events.jsonl")
+        self.holder = ""  # the node (or spare node) whose ranks this launcher runs
+        self.fenced = ""  # the spare that took this node's ranks, once this launcher knows
+        self._round_seen: int | None = None
 
     # ---- the worker group's life ------------------------------------------------------
     def started(self, wg: WorkerGroup, pids: dict[int, int], envs: dict[int, dict]) -> None:
@@ -192,24 +206,27 @@ class Supervisor:
         self.recovery = None
         self.args = tuple(wg.spec.args)
         self.standbys.script = list(self.args)
+        self.holder = config.node_name()
         for w in wg.workers:
             env = {**os.environ, **envs[w.local_rank]}
             self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)
             self.world = w.world_size
+            self.job = env.get("FLASHCKPT_JOB") or self.job
         ns = namespace(next(iter(self.members.values())).env)
         self._relay(ns)
         self.standbys.fill()
         try:  # what a spare node needs to take this node's ranks if the node is lost whole
+            run_started(self.store, self.job, ns)
             publish_node(self.store, config.node_name(), ns, list(self.args), self.world,
                          {w.global_rank: envs[w.local_rank] for w in wg.workers})  # fmt: skip
         except Exception as exc:  # the store out of reach: no spare can take this node
             log.warning("this node's workers are not published for a spare node: %s", exc)
 
-    def adopt(
-        self, members: dict[int, Member], args: list[str], world: int, recovery: Recovery
-    ) -> None:
+    def adopt(self, members: dict[int, Member], args: list[str], world: int, recovery: Recovery,
+              holder: str) -> None:  # fmt: skip
         """A spare node's start: ``members`` (local rank -> the standby now running it) took
-        a lost node's ranks, and join ``recovery``'s round."""
+        a lost node's ranks, and join ``recovery``'s round; ``holder``: the spare's name."""
+        self.holder = holder
         self.members = dict(members)
         self.args, self.world, self.recovery = tuple(args), world, recovery
         self._relay(namespace(next(iter(self.members.values())).env))
@@ -255,11 +272,16 @@ class Supervisor:
                         timeout)  # fmt: skip
 
     def stop(self) -> None:
-        """Kill the replacements (TorchElastic stops the workers it started)."""
+        """Kill the replacements (TorchElastic stops the workers it started), and end the
+        job's run: its workers stop for a restart, or have finished (a fenced node's launcher
+        leaves the run to the spare)."""
         for m in self.members.values():
             if m.replacement is not None and m.replacement.poll() is None:
                 m.replacement.kill()
                 m.replacement.wait()
+        if self.members and not self.fenced:
+            with contextlib.suppress(Exception):  # the store gone: so is the run
+                run_ended(self.store, self.job, namespace(next(iter(self.members.values())).env))
 
     def close(self) -> None:
         self.stop()
@@ -284,10 +306,12 @@ class Supervisor:
             pcontext.close()  # reaps the workers TorchElastic started (a replaced one failed)
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={m.rank: None for m in self.members.values()})  # fmt: skip
+        failed = {lr: s for lr, s in statuses.items() if s not in (None, 0)}
+        if (failed or self._round_moved()) and (spare := self.taken_by()):
+            return self._fence(spare, pcontext)
         if self.recovery is not None and self._formed(self.recovery):
             self._record_recovered(self.recovery)
             self.recovery = None
-        failed = {lr: s for lr, s in statuses.items() if s not in (None, 0)}
         if any(s == EXIT_GAVE_UP for s in failed.values()):
             return self._fall_back("a worker's round did not form in time", original)
         for lr, status in failed.items():  # those found together: one recovery
@@ -302,6 +326,40 @@ class Supervisor:
                                    f"{self.deadline:.0f}s", original)  # fmt: skip
         self.standbys.fill()
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _round_moved(self) -> bool:
+        """Whether the relay saw the job's round move since the last look."""
+        now = self.relay.round if self.relay is not None else None
+        moved, self._round_seen = now != self._round_seen, now
+        return moved
+
+    def taken_by(self) -> str | None:
+        """The spare node that took this node's ranks in the job's current run, if another
+        than this launcher (a spare running a node it took is its holder)."""
+        try:
+            spare = was_replaced(self.store, config.node_name(), self.job)
+        except Exception as exc:  # the store out of reach: nobody can take the node either
+            log.debug("cannot look for a spare's mark: %s", exc)
+            return None
+        return spare if spare is not None and spare != self.holder else None
+
+    def _fence(self, spare: str, pcontext: Any) -> RunResult:
+        """Stop this node's workers for good: spare node ``spare`` runs its ranks now."""
+        ranks = sorted(m.rank for m in self.members.values())
+        log.error("spare node %s took this node's ranks %s while this node was found lost (its "
+                  "agent silent): this node's workers are stopped, none is replaced, and this "
+                  "launcher ends; the job goes on with the spare", spare, ranks)  # fmt: skip
+        self.events.record("node_fenced", spare=spare, ranks=ranks,
+                           pids=sorted(m.pid for m in self.members.values()))  # fmt: skip
+        self.fenced = spare
+        for m in self.members.values():
+            if m.replacement is None:
+                with contextlib.suppress(OSError):
+                    os.kill(m.pid, signal.SIGKILL)
+        self.stop()
+        self.recovery = None
+        pcontext.close()  # reaps the workers TorchElastic started
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(ranks))
 
     def _status(self, m: Member) -> int | None:
         if m.replacement is not None:
@@ -339,8 +397,7 @@ class Supervisor:
             return False
         proc, warm = taken
         ns = namespace(m.env)
-        died_in = int(self.store.get(f"flashckpt/{ns}/rank-{m.rank}/round").decode()
-                      if self.store.check([f"flashckpt/{ns}/rank-{m.rank}/round"]) else 0)  # fmt: skip
+        died_in = last_round(self.store, ns, m.rank)
         beat = read_beat(heartbeat_path(config.shm_dir(), m.env.get("FLASHCKPT_JOB", ""), m.rank))
         target = move_round(self.store, ns, died_in, beat.step if beat is not None else None)
         env = {**m.env, ROUND_ENV: str(target), NAMESPACE_ENV: ns}
@@ -427,7 +484,10 @@ class RecoveringAgent(LocalElasticAgent):
     def _exit_barrier(self) -> None:
         # Every node's launcher waits here for all the others; a node taken by a spare has no
         # launcher in the rendezvous any more, and the spare waits in the recovery store
-        # instead. Every node sees the same mark, so all wait there.
+        # instead. Every node sees the same mark, so all wait there; a node's own launcher,
+        # fenced, waits for nobody.
+        if self.supervisor.fenced:
+            return
         if self.supervisor.node_replaced():
             log.info("a spare node runs a lost node's ranks: waiting for every node to finish "
                      "in the recovery store")  # fmt: skip

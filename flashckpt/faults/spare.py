@@ -10,8 +10,11 @@ spare then:
 
 - reads what the lost node's launcher published when its worker group started (the round
   namespace, the script's arguments, each rank's launch variables: ``publish_node``);
-- moves the job to the next round, as a launcher does for a lost worker, and marks the node
-  taken (a lost node that comes back finds the mark and serves as the job's spare instead);
+- marks the node taken, then moves the job to the next round, as a launcher does for a lost
+  worker. The mark belongs to the job's current run (``run_started``): the node's own launcher,
+  if it still runs, finds it and stops its workers, and a lost node that comes back finds it
+  and serves as the job's spare instead. It is void once the run ends (the job restarts whole,
+  ``run_ended``) and removed when the spare gives the node up, so that the node can rejoin;
 - hands each of the node's ranks to a warm standby, as that node (``FLASHCKPT_NODE``: its
   replicas, its commits and its place in the job are the node's), with the spare's own shared
   memory, run directory and tiers. The healthy ranks have left their round (their collectives
@@ -74,8 +77,47 @@ def node_key(node: str) -> str:
     return f"flashckpt/nodes/{node}"
 
 
-def replaced_key(node: str) -> str:
-    return f"flashckpt/replaced/{node}"
+def job_key(job: str, name: str) -> str:
+    """A key of the job's own in the recovery store (a controller's store may serve several
+    jobs, whose node names can be the same)."""
+    return f"flashckpt/jobs/{job}/{name}"
+
+
+def replaced_key(job: str, node: str) -> str:
+    return job_key(job, f"replaced/{node}")
+
+
+def run_key(job: str) -> str:
+    return job_key(job, "run")
+
+
+def run_started(store: Any, job: str, ns: str) -> None:
+    """The job's current run is the worker group of namespace ``ns`` (every node's launcher
+    says so when its workers start): marks of earlier runs are void from now on."""
+    store.set(run_key(job), ns)
+
+
+def run_ended(store: Any, job: str, ns: str) -> None:
+    """The run of namespace ``ns`` is over (the job restarts whole): its marks are void, so a
+    node a spare took rejoins the restart under its own name. A later run is left alone."""
+    store.compare_set(run_key(job), ns, "")
+
+
+def current_run(store: Any, job: str) -> str:
+    key = run_key(job)
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def mark_replaced(store: Any, job: str, node: str, spare: str, ns: str) -> None:
+    """Spare ``spare`` takes ``node``'s ranks in the run of namespace ``ns``."""
+    store.set(replaced_key(job, node), json.dumps({"spare": spare, "ns": ns}))
+
+
+def unmark_replaced(store: Any, job: str, node: str, spare: str) -> None:
+    """``spare`` gives ``node`` up: the node may rejoin (another spare's mark is left)."""
+    key = replaced_key(job, node)
+    if store.check([key]) and json.loads(store.get(key).decode()).get("spare") == spare:
+        store.delete_key(key)
 
 
 def publish_node(store: Any, node: str, ns: str, args: list[str], world: int,
@@ -89,10 +131,18 @@ def publish_node(store: Any, node: str, ns: str, args: list[str], world: int,
     store.set(node_key(node), json.dumps(record))
 
 
-def was_replaced(store: Any, node: str) -> str | None:
-    """The spare that took ``node``'s ranks, if one did and runs them."""
-    key = replaced_key(node)
-    return store.get(key).decode() if store.check([key]) else None
+def was_replaced(store: Any, node: str, job: str | None = None) -> str | None:
+    """The spare that took ``node``'s ranks in the job's current run, if one did and has not
+    given them up. ``job``: this launcher's (FLASHCKPT_JOB, else its event log's)."""
+    if job is None:
+        from .inprocess_agent import RecoveringAgent
+
+        job = os.environ.get("FLASHCKPT_JOB") or RecoveringAgent.supervisor.job
+    key = replaced_key(job, node)
+    if not store.check([key]):
+        return None
+    mark = json.loads(store.get(key).decode())
+    return mark["spare"] if mark.get("ns") == current_run(store, job) else None
 
 
 async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event,
@@ -229,7 +279,7 @@ class Spare:
 
     def _take(self, supervisor: Any, lost: str) -> int:
         """Hand each of ``lost``'s ranks to a standby in the job's next round; that round."""
-        from .inprocess import NAMESPACE_ENV, ROUND_ENV, move_round
+        from .inprocess import NAMESPACE_ENV, ROUND_ENV, last_round, move_round
         from .inprocess_agent import Member, Recovery
 
         store = supervisor.store
@@ -237,10 +287,14 @@ class Spare:
             raise FlashCkptError(f"node {lost} never published its workers (lost while starting)")
         record = json.loads(store.get(node_key(lost)).decode())
         ns, ranks = record["ns"], {int(r): env for r, env in record["ranks"].items()}
-        died_in = max((int(store.get(k).decode()) for r in ranks
-                       if store.check([k := f"flashckpt/{ns}/rank-{r}/round"])), default=0)  # fmt: skip
+        if (run := current_run(store, self.job)) != ns:
+            raise FlashCkptError(f"node {lost} published the workers of run {ns!r}, and the job "
+                                 f"runs {run or 'none'!r} now: it restarts whole")  # fmt: skip
+        died_in = max((last_round(store, ns, r) for r in ranks), default=0)
+        # Marked before the round moves: the node's own launcher, if it still runs, looks for
+        # the mark when it sees the round move, and stops its workers.
+        mark_replaced(store, self.job, lost, self.name, ns)
         target = move_round(store, ns, died_in, None)
-        store.set(replaced_key(lost), self.name)
         store.append(f"flashckpt/{ns}/replaced", f"{lost},")
         # From here on this process is the lost node: its agent, events and ranks bear its name.
         os.environ["FLASHCKPT_NODE"] = lost
@@ -268,7 +322,7 @@ class Spare:
             raise
         supervisor.standbys.count = self.standbys_after
         supervisor.adopt(members, record["args"], int(record["world"]),
-                         Recovery(target, time.monotonic(), sorted(ranks)))  # fmt: skip
+                         Recovery(target, time.monotonic(), sorted(ranks)), holder=self.name)  # fmt: skip
         return target
 
     def _warm_agent(self) -> subprocess.Popen | None:
@@ -336,7 +390,8 @@ class Spare:
             while True:
                 result = supervisor.monitor(lambda: failed, _Done())
                 if result.state == WorkerState.SUCCEEDED:
-                    supervisor.finished_together(EXIT_BARRIER_S)  # as every node's launcher
+                    if not supervisor.fenced:  # another spare took the node: no barrier
+                        supervisor.finished_together(EXIT_BARRIER_S)  # as every node's launcher
                     supervisor.close()  # the idle standbys
                     return 0
                 if result.state == WorkerState.FAILED:
@@ -382,8 +437,8 @@ class Spare:
                            f"{lost} in-process: it joins the restart as that node")  # fmt: skip
         supervisor = RecoveringAgent.supervisor
         with contextlib.suppress(Exception):
-            supervisor.store.delete_key(replaced_key(lost))
-        supervisor.close()
+            unmark_replaced(supervisor.store, self.job, lost, self.name)
+        supervisor.close()  # and the run ends: the restart is a new one
         os.close(self.claim)
         env = {**self.launch_env, "FLASHCKPT_NODE": lost}
         env.pop(ENV, None)
