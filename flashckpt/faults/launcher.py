@@ -368,7 +368,7 @@ def _replaced_here(job: str) -> bool:
     from .spare import was_replaced
 
     try:
-        spare = was_replaced(RecoveringAgent.supervisor.store, config.node_name())
+        spare = was_replaced(RecoveringAgent.supervisor.store, config.node_name(), job)
     except Exception as exc:  # the store out of reach: the rendezvous decides, as before
         log.warning("cannot tell whether a spare took this node's ranks: %s", exc)
         return False
