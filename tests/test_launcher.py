@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import ROOT, descendants
@@ -29,6 +30,9 @@ from ports import free_port, free_port_pair
 
 from flashckpt import config
 from flashckpt.faults.events import events_path, read_events
+
+if TYPE_CHECKING:
+    from netns import Hosts
 
 TRAINER = ROOT / "tests" / "ft_trainer.py"
 LAUNCHER = Path(sys.executable).parent / "flashckpt-run"
@@ -67,16 +71,24 @@ class Run:
 class Cluster:
     """Two flashckpt-run "nodes" of two workers each, each with its own shared-memory and run
     directories and node name (``node_env``: each node's own variables), joined by one c10d
-    rendezvous. The last ``spares`` of the ``nodes`` are spare nodes (``--spare``)."""
+    rendezvous. The last ``spares`` of the ``nodes`` are spare nodes (``--spare``).
+
+    With ``hosts`` (``netns.Hosts``, one a node), node ``n`` runs in host ``n``, its own network
+    stack: it binds and advertises its host's address (``--local-addr``, gloo on the host's
+    interface) and reaches the rendezvous, the controller and the recovery store at node 0's
+    (``is_host`` tells torch which node serves the rendezvous: it cannot tell from the address).
+    The files (tiers, run and shared-memory directories) stay the machine's, as a parallel file
+    system mounted on every host."""
 
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
                  trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
-                 spares: int = 0, **env: str):  # fmt: skip
+                 spares: int = 0, hosts: Hosts | None = None, **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
-        self.per_node, self.spares = per_node, spares
+        self.per_node, self.spares, self.hosts = per_node, spares, hosts
+        assert hosts is None or len(hosts) >= nodes, "one host a node"
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
-        self.controller = f"127.0.0.1:{free_port_pair()}"
+        self.controller = f"{self.addr(0, '127.0.0.1')}:{free_port_pair()}"
         self.marks = tmp / f"{name}-marks"
         self.marks.mkdir()
         self.env, self.node_env = env, node_env
@@ -87,6 +99,12 @@ class Cluster:
         self.run_dirs = [tmp / f"r{next(_RUN_DIRS)}" for n in range(nodes)]
         self.starts = [0] * nodes
 
+    def addr(self, node: int, alone: str | None = None) -> str:
+        """Node ``node``'s address: its host's, else ``alone`` or its own loopback address."""
+        if self.hosts is not None:
+            return self.hosts.address(node)
+        return alone or node_addr(node)
+
     def start(self, node: int) -> None:
         full = {**os.environ, "FLASHCKPT_SHM_DIR": str(self.shm[node]),
                 "FLASHCKPT_RUN_DIR": str(self.run_dirs[node]), "FT_MARKS": str(self.marks),
@@ -96,11 +114,19 @@ class Cluster:
                 **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         spare = ["--spare"] if node >= self.n - self.spares else []
+        own = []
+        if self.hosts is not None:
+            from netns import IFACE
+
+            full["GLOO_SOCKET_IFNAME"] = IFACE
+            own = [f"--rdzv-conf=is_host={int(node == 0)}"]
         cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
                f"--nproc-per-node={self.per_node}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
-               "--max-restarts=3", "--monitor-interval=0.1", f"--local-addr={node_addr(node)}",
-               str(self.trainer)]  # fmt: skip
+               f"--rdzv-endpoint={self.addr(0, '127.0.0.1')}:{self.port}", *own,
+               f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
+               f"--local-addr={self.addr(node)}", str(self.trainer)]  # fmt: skip
+        if self.hosts is not None:
+            cmd = self.hosts.command(node, cmd)
         self.starts[node] += 1
         log = open(self.tmp / f"{self.name}-node{node}-{self.starts[node]}.log", "w")  # noqa: SIM115
         self.logs[node] = log
