@@ -244,7 +244,9 @@ class FsspecTier(Tier):
     ) -> None:  # fmt: skip
         final = self._path(check_key(key))
         if exclusive and await self._run("put", key, self.fs.exists, final):
-            raise ObjectExistsError(f"{self.protocol}://{final} exists already; it was left as it is")
+            raise ObjectExistsError(
+                f"{self.protocol}://{final} exists already; it was left as it is"
+            )
         target = final
         if self.commit == "rename":
             parent, name = posixpath.split(final)

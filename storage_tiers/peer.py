@@ -284,7 +284,14 @@ class PeerTier(Tier):
         views = chunks if isinstance(chunks, list) else [c async for c in iter_chunks(chunks)]
         rank = _RANK_DATA.fullmatch(key)
         if rank is not None:
-            self._data[rank.group(1)] = (key, views, size)
+            held = rank.group(1)
+            rank_dir = held.rsplit("/", 1)[1]
+            # A rank's data of an earlier step whose manifest never came (its round failed) is
+            # dropped: no view of a slot is kept past the next round of its rank.
+            for other in [k for k in self._data if k != held and k.split("/", 1)[0] == job
+                          and k.rsplit("/", 1)[1] == rank_dir]:  # fmt: skip
+                del self._data[other]
+            self._data[held] = (key, views, size)
             return
         puts = [(key, views, size)] if data is None else [data, (key, views, size)]
         run = self._runs.get(job, 0)

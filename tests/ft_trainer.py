@@ -69,6 +69,10 @@ def corrupt(ckpt: Checkpointer, tiers: list[str], step: int) -> None:
         raw = await tier.get(key)
         bad = flip_last(raw, len(raw))
         await tier.put(key, [memoryview(bad)], len(bad))
+        # Its manifest again, unchanged: a peer's holder takes a rank's data with it.
+        mkey = layout.manifest_key(ckpt.job, step, ckpt.rank, ckpt.generation)
+        manifest = await tier.get(mkey)
+        await tier.put(mkey, [memoryview(manifest)], len(manifest))
 
     for url in tiers:
         run_with_tier(url, flip)

@@ -143,12 +143,19 @@ def test_a_failed_round_returns_only_after_every_upload_stopped_reading(
         await asyncio.sleep(0.5)  # both uploads are well under way
         await failing.put("pj/x/data", [memoryview(b"x")], 1)
 
+    async def to_peer(peer_tier) -> None:
+        # A peer holder takes a rank's data with its manifest: both go when the manifest does.
+        await peer_tier.put("pj/step-000000000001/rank-0/data", chunks, SIZE)
+        raw = b'{"incarnation": 0}'
+        await peer_tier.put("pj/step-000000000001/rank-0/manifest.json", [memoryview(raw)],
+                            len(raw))  # fmt: skip
+
     async def round_() -> float:
         fs_tier, peer_tier = open_tier(slow_fsspec), open_tier("peer://node1")
         with pytest.raises(TierUnavailableError, match="there is no directory"):
             await _all_or_none([
                 fs_tier.put("pj/step-000000000001/rank-0/data", chunks, SIZE),
-                peer_tier.put("pj/step-000000000001/rank-0/data", chunks, SIZE),
+                to_peer(peer_tier),
                 fail_soon(),
             ])  # fmt: skip
         return time.monotonic()

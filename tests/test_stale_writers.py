@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, S3, wait_for
-from flashckpt.storage_tiers import open_tier
 
 from flashckpt import Checkpointer
 from flashckpt.errors import ObjectExistsError, StaleWriterError
@@ -33,23 +32,23 @@ from flashckpt.restore.sources import run_with_tier
 N = 4096
 JOB = "zombie"
 
-EARLIER_RUN = """
+EARLIER_RUN = f"""
 import sys, torch
 from pathlib import Path
 from flashckpt import Checkpointer
 from flashckpt.faults.agent_client import agent_pid
 url, job, shm, run, first, last = sys.argv[1:7]
 ck = Checkpointer(url, job=job, shm_dir=Path(shm), run_dir=Path(run))
-print("restored", ck.restore({"t": torch.zeros(%d)}), flush=True)
+print("restored", ck.restore({{"t": torch.zeros({N})}}), flush=True)
 if int(first) > 1:
-    ck.save(0, {"t": torch.zeros(%d)})  # a step its agent stores before it is stopped
+    ck.save(0, {{"t": torch.zeros({N})}})  # a step its agent stores before it is stopped
 print("ready", flush=True)
 sys.stdin.readline()  # the test stops this host's agent meanwhile
 for step in range(int(first), int(last) + 1):
-    ck.save(step, {"t": torch.full((%d,), 1000.0 + step)})
+    ck.save(step, {{"t": torch.full(({N},), 1000.0 + step)}})
 print("saved", flush=True)
 sys.stdin.readline()  # killed here, as a host is lost
-""" % (N, N, N)
+"""
 
 
 _RUN_DIRS: list[Path] = []
@@ -363,9 +362,11 @@ def test_a_tier_where_the_run_cannot_claim_stops_the_restore_saying_what_to_do(
     root = tmp_path / "pfs"
     (root / JOB).mkdir(parents=True)
     (root / JOB / "fence").write_bytes(b"")  # a file where the claims' directory goes
-    with Checkpointer(f"pfs://{root}", job=JOB, **host(tmp_path, "a")) as ck:
-        with pytest.raises(Exception, match="could not claim its epoch") as info:
-            ck.restore({"t": torch.zeros(8)})
+    with (
+        Checkpointer(f"pfs://{root}", job=JOB, **host(tmp_path, "a")) as ck,
+        pytest.raises(Exception, match="could not claim its epoch") as info,
+    ):
+        ck.restore({"t": torch.zeros(8)})
     assert "make the tier reachable and writable" in str(info.value)
 
 

@@ -352,12 +352,7 @@ class Supervisor:
         self.events.record("node_fenced", spare=spare, ranks=ranks,
                            pids=sorted(m.pid for m in self.members.values()))  # fmt: skip
         self.fenced = spare
-        for m in self.members.values():
-            if m.replacement is None:
-                with contextlib.suppress(OSError):
-                    os.kill(m.pid, signal.SIGKILL)
-        self.stop()
-        self.recovery = None
+        self._end_originals()
         pcontext.close()  # reaps the workers TorchElastic started
         return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(ranks))
 
@@ -430,16 +425,21 @@ class Supervisor:
         log.info("round %d formed: rank(s) %s replaced in %.2fs, every other worker kept",
                  rec.round, rec.ranks, took)  # fmt: skip
 
-    def _fall_back(self, why: str, original: Any) -> RunResult:
-        log.error("in-process recovery cannot finish (%s): restarting every worker", why)
-        self.events.record("inprocess_fallback", reason=why,
-                           round=self.recovery.round if self.recovery else None)  # fmt: skip
+    def _end_originals(self) -> None:
+        """Kill the workers TorchElastic started here (replacements are this launcher's own)
+        and stop watching them."""
         for m in self.members.values():
             if m.replacement is None:
                 with contextlib.suppress(OSError):
                     os.kill(m.pid, signal.SIGKILL)
         self.stop()
         self.recovery = None
+
+    def _fall_back(self, why: str, original: Any) -> RunResult:
+        log.error("in-process recovery cannot finish (%s): restarting every worker", why)
+        self.events.record("inprocess_fallback", reason=why,
+                           round=self.recovery.round if self.recovery else None)  # fmt: skip
+        self._end_originals()
         result = original()
         if result.state != WorkerState.FAILED:  # e.g. every original had exited already
             result = RunResult(state=WorkerState.FAILED)

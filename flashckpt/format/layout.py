@@ -97,7 +97,7 @@ def parse_claim(name: str) -> int | None:
 def claims(job: str, keys: list[str]) -> list[int]:
     """The epochs claimed in a tier listing of ``job/`` (or of its fence), oldest first."""
     prefix = f"{job}/{FENCE_DIR}/"
-    found = (parse_claim(k[len(prefix):]) for k in keys if k.startswith(prefix))
+    found = (parse_claim(k[len(prefix) :]) for k in keys if k.startswith(prefix))
     return sorted(e for e in found if e is not None)
 
 

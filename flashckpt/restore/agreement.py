@@ -57,7 +57,11 @@ def restore_agreed(state: Mapping[str, Any], sources: list, step: int | None, al
     # never count again (``fence``).
     runs = max((getattr(src, "incarnation", 0) for src in sources), default=0)
     newest_seen = max((s for _, s in known), default=-1)
-    claims = [src.url for src in sources if getattr(src, "claims", False)]
+    # Claimed where the tiers were listed: a restore of a named step goes on without a tier
+    # that could not be (its claim waits for the next restore; until then its writes are
+    # fenced by the run numbers it shows).
+    claims = [src.url for src in sources
+              if getattr(src, "claims", False) and not getattr(src, "unlisted", "")]  # fmt: skip
     runs, newest_seen, claimed = map(
         max, zip(*group.gather((runs, newest_seen, bool(claims))), strict=True)
     )
