@@ -142,7 +142,7 @@ def test_hosts_have_their_own_stacks_and_their_faults_are_silent(hosts):
 def claims(events: list[list[dict]]) -> dict[tuple[int, int], set[int]]:
     """(round, rank) -> the pids that held it, over every node's log."""
     held: dict[tuple[int, int], set[int]] = {}
-    for e in (e for node in events for e in node if e["kind"] == "inprocess_claimed"):
+    for e in (e for node in events for e in node if e["kind"] == "rank_claimed"):
         held.setdefault((e["round"], e["rank"]), set()).add(e["pid"])
     return held
 
@@ -204,7 +204,7 @@ def test_a_host_partitioned_and_healed_after_its_spare_took_it_is_fenced(hosts, 
         # Found lost, and its ranks claimed in the next round by the spare's standbys: then the
         # heal, within that round's deadline (node 0's ranks wait in a collective with node 1's
         # until their connections close, issue 52: a longer partition ends in a full restart).
-        assert poll(lambda: any(e["kind"] == "inprocess_claimed" for e in cluster.events(2)),
+        assert poll(lambda: any(e["kind"] == "rank_claimed" for e in cluster.events(2)),
                     30, 0.1), explain(cluster.finish(1))  # fmt: skip
         h.heal(1)
         healed = time.time()

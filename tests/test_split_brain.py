@@ -309,7 +309,7 @@ def test_a_real_agent_back_after_a_spare_took_its_node_is_refused_and_its_worker
 def claims(run) -> dict[tuple[int, int], set[int]]:
     """(round, rank) -> the processes that held that rank in that round, over every node."""
     held: dict[tuple[int, int], set[int]] = {}
-    for e in (e for node in run.events for e in node if e["kind"] == "inprocess_claimed"):
+    for e in (e for node in run.events for e in node if e["kind"] == "rank_claimed"):
         held.setdefault((e["round"], e["rank"]), set()).add(e["pid"])
     return held
 
@@ -349,7 +349,7 @@ def test_an_agent_stalled_past_the_node_timeout_never_leaves_two_claimants_of_a_
     assert run.digest == reference
     two = {k: pids for k, pids in claims(run).items() if len(pids) > 1}
     assert not two, (two, explain(run))
-    originals = {(e["rank"], e["pid"]) for e in run.events[1] if e["kind"] == "inprocess_claimed"}
+    originals = {(e["rank"], e["pid"]) for e in run.events[1] if e["kind"] == "rank_claimed"}
     lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
     if not lost:  # kept: node 1's own workers trained to the end
         assert sorted(restores(run.events[1])) == [2, 3], explain(run)

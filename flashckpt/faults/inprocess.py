@@ -379,7 +379,7 @@ class Rounds:
         key = self.key(f"round-{self.round}/claim-{self.rank}")
         holder = self.store.compare_set(key, "", self.claimant).decode()
         if holder == self.claimant:
-            self._record("inprocess_claimed")
+            self._record("rank_claimed")
             return
         log.error("rank %d: %s holds rank %d in round %d already; this process (%s) is a second "
                   "claimant of it (its node was taken by a spare node while it was found lost) "
