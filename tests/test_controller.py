@@ -4,6 +4,7 @@ kill orders on real worker processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -486,6 +487,15 @@ WORKER = textwrap.dedent(
 )
 
 
+def start_agent(shm_dir, run_dir, log=None) -> subprocess.Popen:
+    """The job's node agent as its own process (its stderr to ``log`` where given)."""
+    with open(log, "w") if log is not None else contextlib.nullcontext() as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
+             str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT, stderr=err,
+        )  # fmt: skip
+
+
 def start_worker(shm: Path, rank: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(shm), JOB, str(rank)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
@@ -504,10 +514,7 @@ def test_an_agent_reports_its_workers_and_kills_the_ones_ordered(shm_dir, run_di
     control.Endpoint(f"127.0.0.1:{port}", TOKEN).save(run_dir, JOB)
     running, stopped = start_worker(shm_dir, 0), start_worker(shm_dir, 1)
     os.kill(stopped.pid, signal.SIGSTOP)
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
-         str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT,
-    )  # fmt: skip
+    agent = start_agent(shm_dir, run_dir)
     try:
 
         def ours():
@@ -544,11 +551,7 @@ def test_an_agent_refused_warns_once_and_follows_the_next_controller_file(shm_di
     port = thread.start_serving()
     control.Endpoint(f"127.0.0.1:{port}", "w" * 32).save(run_dir, JOB)
     log = tmp_path / "agent.log"
-    with open(log, "w") as err:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
-             str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT, stderr=err,
-        )  # fmt: skip
+    agent = start_agent(shm_dir, run_dir, log)
     try:
         assert poll(lambda: "does not take reports" in log.read_text(), 30)
         time.sleep(3.5)  # three more heartbeats, refused

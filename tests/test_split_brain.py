@@ -22,7 +22,7 @@ from conftest import ROOT
 from faults import is_dead, poll
 from flashckpt.agent.controller import Controller, InThread
 from flashckpt.agent.replicas import store_root
-from test_controller import JOB, TOKEN, connect, report, spare, start_worker, worker
+from test_controller import JOB, TOKEN, connect, report, spare, start_agent, start_worker, worker
 from test_launcher import explain, restores
 from test_spare_nodes import spare_cluster
 
@@ -271,11 +271,7 @@ def test_a_real_agent_back_after_a_spare_took_its_node_is_refused_and_its_worker
     control.Endpoint(f"127.0.0.1:{port}", TOKEN).save(run_dir, JOB)
     running = start_worker(shm_dir, 1)
     log = tmp_path / "agent.log"
-    with open(log, "w") as err:
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "flashckpt.agent.cli", "serve", "--job", JOB, "--shm-dir",
-             str(shm_dir), "--run-dir", str(run_dir)], cwd=ROOT, stderr=err,
-        )  # fmt: skip
+    agent = start_agent(shm_dir, run_dir, log)
     job = lambda: c.jobs.get(JOB)  # noqa: E731
 
     def spare_heard() -> bool:  # s1 reports (from the controller's own loop) until it takes b
