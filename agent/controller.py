@@ -450,7 +450,8 @@ async def start(
     """Serve ``controller`` on ``bind`` (``host:port``; port 0: any). Returns the server and
     its port; raises RuntimeError if the address cannot be bound (in use, or not this host's)."""
     # No SO_REUSEPORT: a second controller on the same address must fail to bind, not share it.
-    server = grpc.aio.server(interceptors=[TokenAuth(token)], options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=[TokenAuth(token)],
+                             options=[("grpc.so_reuseport", 0), *control.SERVER_OPTIONS])  # fmt: skip
     pb_grpc.add_ControllerServicer_to_server(ControllerService(controller), server)
     if tls is not None:
         port = server.add_secure_port(bind, tls.server_credentials())

@@ -21,6 +21,12 @@ SIGKILL until every rank has trained a step again; the spare's phases come from 
 ``node_replaced_in_process`` event (detect: from the SIGKILL to the controller's verdict;
 round: the spare's ranks handed over until the round formed; restore: the slowest rank's).
 The RESULT line holds the medians and their ratio.
+
+With ``--power-loss`` (root: network namespaces), each node runs in a host of its own
+(``tests/netns.py``: its own stack and address on one switch) and node 1 loses power: its host
+is unplugged first, then everything in it killed, so that none of its connections close and
+node 0's ranks stay blocked in a gloo collective on it until their round watch releases them.
+The run without a spare then uses the restart policy, and the fresh node is plugged in again.
 """
 
 from __future__ import annotations
@@ -35,23 +41,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+import netns  # noqa: E402
 from faults import poll  # noqa: E402  (tests/ holds the job and its cluster of simulated nodes)
 from test_launcher import PEER, Cluster, explain, run_job  # noqa: E402
 
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 
 
-def cluster(tmp: Path, name: str, spare: bool, node_timeout: float) -> Cluster:
+def cluster(tmp: Path, name: str, spare: bool, node_timeout: float,
+            hosts: netns.Hosts | None = None) -> Cluster:  # fmt: skip
     nodes = 3 if spare else 2
+    policy = "restart" if hosts is not None and not spare else "in-process"
     return Cluster(tmp, name, tuple({} for _ in range(nodes)), trainer=TRAINER, nodes=nodes,
                    spares=int(spare), FT_TIERS=f"pfs://{tmp / f'{name}-pfs'}?every_steps=1000",
-                   FT_WAIT_TIERS=PEER, FT_FAULTS="pause:2:12",
-                   FLASHCKPT_RESTART_POLICY="in-process", FLASHCKPT_RECOVERY_DEADLINE="15",
+                   FT_WAIT_TIERS=PEER, FT_FAULTS="pause:2:12", hosts=hosts,
+                   FLASHCKPT_RESTART_POLICY=policy, FLASHCKPT_RECOVERY_DEADLINE="15",
                    FLASHCKPT_NODE_TIMEOUT=f"{node_timeout:g}")  # fmt: skip
 
 
-def one_run(tmp: Path, name: str, spare: bool, node_timeout: float, reference: str) -> dict:
-    c = cluster(tmp, name, spare, node_timeout)
+def one_run(tmp: Path, name: str, spare: bool, node_timeout: float, reference: str,
+            power_loss: bool = False) -> dict:  # fmt: skip
+    hosts = netns.Hosts(3 if spare else 2) if power_loss else None
+    try:
+        return _one_run(tmp, name, spare, node_timeout, reference, hosts)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _one_run(tmp: Path, name: str, spare: bool, node_timeout: float, reference: str,
+             hosts: netns.Hosts | None) -> dict:  # fmt: skip
+    c = cluster(tmp, name, spare, node_timeout, hosts)
     try:
         c.start(0)
         assert poll(lambda: (c.run_dirs[0] / f"{c.job}.controller").exists(), 60)
@@ -62,9 +82,13 @@ def one_run(tmp: Path, name: str, spare: bool, node_timeout: float, reference: s
             assert poll(lambda: any(e["kind"] == "spare_ready" for e in c.events(2)), 60)
             time.sleep(1.0)
         killed = time.time()
+        if hosts is not None:  # power lost: the host falls silent before its processes die
+            hosts.unplug(1)
         c.lose(1)
         if not spare:  # the scheduler starts a fresh node in its place at once
             assert poll(lambda: any(e["kind"] == "node_lost" for e in c.events(0)), 30)
+            if hosts is not None:
+                hosts.heal(1)
             c.start(1)
     except BaseException:
         c.close()
@@ -116,7 +140,14 @@ def main() -> None:
         default=1,
         help="run the restart case only every N-th round (it takes 20 s more)",
     )
+    parser.add_argument(
+        "--power-loss",
+        action="store_true",
+        help="each node a host of its own; node 1 unplugged, then killed",
+    )
     args = parser.parse_args()
+    if args.power_loss and (why := netns.unavailable()):
+        parser.error(f"--power-loss: {why}")
     tmp = Path(tempfile.mkdtemp(prefix="recovery-node-"))
     reference = run_job(tmp, "ref").digest
     results: dict[str, list[dict]] = {"spare": [], "restart": []}
@@ -124,12 +155,14 @@ def main() -> None:
         for case in results:
             if case == "restart" and i % args.restart_every:
                 continue
-            r = one_run(tmp, f"{case}{i}", case == "spare", args.node_timeout, reference)
+            r = one_run(tmp, f"{case}{i}", case == "spare", args.node_timeout, reference,
+                        args.power_loss)  # fmt: skip
             results[case].append(r)
             print(f"run {i + 1} {case}: " + ", ".join(
                 f"{k} {v:.2f}s" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()),
                 flush=True)  # fmt: skip
-    print(f"\nnode 1 of 2 lost whole (2 gloo ranks a node), node timeout {args.node_timeout:g}s, "
+    how = "power lost (unplugged, then killed)" if args.power_loss else "lost whole"
+    print(f"\nnode 1 of 2 {how} (2 gloo ranks a node), node timeout {args.node_timeout:g}s, "
           f"{args.repeat} runs with a spare; seconds p50 / p90 / max")  # fmt: skip
     print(f"{'case':<9}{'passed':>8}{'SIGKILL -> every rank trained':>32}{'detect':>22}"
           f"{'round':>22}{'restore':>22}")  # fmt: skip
@@ -141,7 +174,7 @@ def main() -> None:
     med = {c: statistics.median([r["back_s"] for r in runs if r["back_s"] is not None] or [0])
            for c, runs in results.items()}  # fmt: skip
     ratio = med["restart"] / med["spare"] if med["spare"] else float("nan")
-    print(f"RESULT node lost whole: spare {med['spare']:.2f}s, full restart {med['restart']:.2f}s "
+    print(f"RESULT node {how}: spare {med['spare']:.2f}s, full restart {med['restart']:.2f}s "
           f"(p50, SIGKILL -> every rank trained again): {ratio:.1f}x faster with a spare; "
           f"passed {sum(r['ok'] for r in results['spare'])}/{len(results['spare'])} and "
           f"{sum(r['ok'] for r in results['restart'])}/{len(results['restart'])}")  # fmt: skip

@@ -217,15 +217,22 @@ async def read_frame(reader: Any, limit: int = MAX_HEADER) -> dict:
 
 
 # ---- connections ----------------------------------------------------------------------------
-def keep_alive(sock: socket.socket | None, idle: int = 10, interval: int = 5,
-               count: int = 3) -> None:  # fmt: skip
-    """TCP keepalive on ``sock``: a peer that lost power is noticed within about
-    ``idle + interval * count`` seconds, not after the kernel's two hours."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 3, 1, 3
+
+
+def keep_alive(sock: socket.socket | None, idle: int = KEEPALIVE_IDLE_S,
+               interval: int = KEEPALIVE_INTERVAL_S, count: int = KEEPALIVE_COUNT) -> None:  # fmt: skip
+    """TCP keepalive and a send deadline on ``sock``: a peer that lost power, or was cut off
+    the network, is noticed within about ``idle + interval * count`` seconds (6 by default),
+    whether the connection is idle (keepalive probes go unanswered) or has data in flight
+    (``TCP_USER_TIMEOUT``: unacknowledged that long, it fails), not after the kernel's two
+    hours or its fifteen minutes of retransmissions."""
     if sock is None:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
-                        ("TCP_KEEPCNT", count)):  # fmt: skip
+                        ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", 1000 * (idle + interval * count))):  # fmt: skip
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

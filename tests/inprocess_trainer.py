@@ -7,7 +7,9 @@ marker in ``FT_MARKS``) right after that rank saves that step: ``kill`` (SIGKILL
 (``ft_trainer``'s: the step in every tier of ``FT_TIERS`` or ``FT_WAIT_TIERS``, then sleep);
 and
 ``recurring-raise``, raised at that step and every one after (worded as NCCL words its own
-errors, so only the recovery budget stops it). Every time
+errors, so only the recovery budget stops it); ``bug``, raised at that step and every one
+after, worded as the rank's own error (the "same error twice" guard stops it), in the first
+worker group only (a restart clears it). Every time
 ``train`` starts, each rank prints ``restored <rank> <step|None> pid=<pid>``; when it ends,
 ``done <rank> pid=<pid> rounds=<n> rss_kb=... threads=... fds=... groups=...``, what the tests compare
 across recoveries; rank 0 writes the weights' sha256 to ``FT_DIGEST``.
@@ -76,6 +78,9 @@ def inject(rank: int, step: int, planned: dict, ckpt: Checkpointer | None = None
     if any(k == "recurring-raise" and r == rank and step >= s for (r, s), k in planned.items()):
         # from that step on, every time: a deterministic fault
         raise RuntimeError("NCCL error: invalid usage (a fault injected every time)")
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and any(
+            k == "bug" and r == rank and step >= s for (r, s), k in planned.items()):  # fmt: skip
+        raise ValueError(f"a bug in rank {rank}'s training function")
     if kind is None:
         due = scheduled(rank)
         if due is None:

@@ -12,6 +12,7 @@ import time
 import pytest
 from conftest import ROOT, run_python
 
+from flashckpt.errors import CorruptSlotError
 from flashckpt.format.slot import Slot, SlotState
 from flashckpt.snapshot.slots import slot_path
 
@@ -46,10 +47,18 @@ def _kill_while_writing(shm_dir, min_step: int) -> int:
         deadline = time.monotonic() + 60
         slots: list[Slot] = []
         while time.monotonic() < deadline:
-            if not slots and all(slot_path(shm_dir, "crash", 0, i).exists() for i in range(2)):
-                time.sleep(0.2)  # let the creator finish sizing them
-                slots = [Slot.open_readonly(slot_path(shm_dir, "crash", 0, i)) for i in range(2)]
-            hs = [s.header() for s in slots]
+            try:
+                if not slots and all(slot_path(shm_dir, "crash", 0, i).exists()
+                                     for i in range(2)):  # fmt: skip
+                    slots = [Slot.open_readonly(slot_path(shm_dir, "crash", 0, i))
+                             for i in range(2)]  # fmt: skip
+                hs = [s.header() for s in slots]
+            except (CorruptSlotError, ValueError, OSError):  # made, not yet sized or written
+                for s in slots:
+                    s.close()
+                slots = []
+                time.sleep(0.05)
+                continue
             if (
                 any(h.state == SlotState.WRITING for h in hs)
                 and max((h.step for h in hs), default=0) >= min_step

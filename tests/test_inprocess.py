@@ -56,11 +56,14 @@ def events(run, kind: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("watch", [False, True])
 def test_a_killed_rank_is_replaced_and_every_other_keeps_its_process(tmp_path, reference, watch):
-    """With ``watch``, every survivor's RoundWatch aborts its group from outside the training
-    thread once the launcher hands out the replacement, as it does under NCCL: the survivors
+    """Without ``watch``, the survivors learn of the fault from their collectives, which fail
+    when the kernel closes the dead rank's connections. With it (the default), every survivor's
+    RoundWatch releases its group from outside the training thread once the launcher hands out
+    the replacement, as it does under NCCL and for a silent host: the survivors
     spend 0.4 s in each step's compute before its collectives, so they learn of the fault
     from the watch, not from a collective failing."""
-    more = {"FLASHCKPT_RECOVERY_WATCH": "1", "FT_STEP_S": "0.4"} if watch else {}
+    more = ({"FLASHCKPT_RECOVERY_WATCH": "1", "FT_STEP_S": "0.4"} if watch
+            else {"FLASHCKPT_RECOVERY_WATCH": "0"})  # fmt: skip
     run = run_job(tmp_path, "ip-kill", trainer=TRAINER, **env(FT_FAULTS="kill:1:12", **more))
     if watch:
         assert sum("round 0 is over" in text for text in run.logs) >= 1, explain(run)
@@ -294,6 +297,26 @@ def test_a_fault_that_recurs_spends_the_recovery_budget_then_the_restarts_and_th
     faults = [e for e in events(run, "inprocess_fault") if e["rank"] == 2]
     # per worker group (the first and three restarts): at most the budget, plus the one over
     assert 3 <= len(faults) <= 4 * 3, len(faults)
+
+
+@pytest.mark.slow
+def test_the_same_error_twice_in_a_row_restarts_every_worker_and_replaces_no_rank(
+    tmp_path, reference
+):
+    """Rank 2's training function raises the same error of its own at step 8 every time in
+    the first worker group: the first is a fault (every rank reruns ``train``), the second a
+    bug: the rank exits with 75 and the launcher restarts every worker (not a standby for a
+    "lost" rank). The restarted group restores and finishes bit-identical."""
+    run = run_job(tmp_path, "ip-bug", trainer=TRAINER, **env(FT_FAULTS="bug:2:8"))
+    assert run.codes == [0, 0], explain(run)
+    assert run.digest == reference
+    gave_up = events(run, "inprocess_gave_up")
+    assert gave_up and all("the same error twice" in e["reason"] and e["rank"] == 2
+                           for e in gave_up), gave_up  # fmt: skip
+    fallbacks = events(run, "inprocess_fallback")
+    assert fallbacks and all("gave up" in e["reason"] for e in fallbacks), fallbacks
+    assert not events(run, "replacement_started"), explain(run)
+    assert "ValueError: a bug in rank 2's training function" in "".join(run.logs)
 
 
 @pytest.mark.slow

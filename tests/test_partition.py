@@ -20,7 +20,7 @@ import netns
 import pytest
 from faults import is_dead, poll
 from test_launcher import explain, restores
-from test_spare_nodes import spare_cluster
+from test_spare_nodes import first_step_after, pids_of, spare_cluster
 
 PORT = 7777
 # Host 0: an echo service on its loopback address and on its switch address.
@@ -46,7 +46,7 @@ sys.stdin.read()  # until the test closes it
 #   open HOST: keep one connection; send WORD: send WORD on it; read: what comes back on it in
 #   1.5 s -> the text / "timeout" / "closed" / "reset"
 CLIENT = f"""
-import json, socket, sys
+import errno, json, socket, sys, time
 kept = None
 def answer(x): print(json.dumps(x), flush=True)
 for line in sys.stdin:
@@ -66,6 +66,14 @@ for line in sys.stdin:
         try: got = kept.recv(64); answer(got.decode() if got else "closed")
         except TimeoutError: answer("timeout")
         except ConnectionResetError: answer("reset")
+    elif cmd == "keep":  # the node channel's keepalive on the kept connection
+        from flashckpt.node_channel import keep_alive
+        keep_alive(kept); answer("kept")
+    elif cmd == "await":  # block reading for up to ARG seconds: what ends it, and when
+        kept.settimeout(float(arg)); began = time.monotonic()
+        try: got = kept.recv(64); what = got.decode() if got else "closed"
+        except OSError as exc: what = "dead" if exc.errno == errno.ETIMEDOUT else "timeout"
+        answer([what, round(time.monotonic() - began, 2)])
 """
 
 
@@ -137,6 +145,30 @@ def test_hosts_have_their_own_stacks_and_their_faults_are_silent(hosts):
         client.close()
         server.close()
     assert h.pids(0) == h.pids(1) == []
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "data-in-flight"])
+def test_a_node_channel_connection_to_a_silent_host_fails_within_seconds(hosts, in_flight):
+    """The node channel's connections (the recovery store's relays, peer transfers) carry
+    TCP keepalive and a send deadline: when the host at the other end falls silent, a read
+    blocked on the connection fails with ETIMEDOUT within about 6 s, idle or with data
+    unacknowledged, instead of waiting two hours (idle) or fifteen minutes (retransmitting)."""
+    h = hosts(2)
+    server = Talk(h, 0, SERVER, h.address(0))
+    assert server.line() == "serving"
+    client = Talk(h, 1, CLIENT)
+    try:
+        assert client.ask(f"open {h.address(0)}") == "ok"
+        assert client.ask("keep") == "kept"
+        h.partition(0)
+        if in_flight:
+            assert client.ask("send lost") == "sent"
+        what, took = client.ask("await 30")
+        assert what == "dead", (what, took)
+        assert took < 12, took
+    finally:
+        client.close()
+        server.close()
 
 
 def claims(events: list[list[dict]]) -> dict[tuple[int, int], set[int]]:
@@ -246,3 +278,41 @@ def test_a_host_partitioned_and_healed_after_its_spare_took_it_is_fenced(hosts, 
     assert not fallbacks, fallbacks
     taken = restores(run.events[2])
     assert sorted(taken) == [2, 3] and {e["step"] for e in taken.values()} == {12}, taken
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_a_host_that_loses_power_is_taken_by_the_spare_and_the_others_keep_their_processes(
+    hosts, tmp_path, reference
+):
+    """Power lost: node 1's host is unplugged after step 12, then everything in it killed (its
+    connections never close: node 0's ranks are blocked in a gloo collective on it). The
+    spare takes its ranks; node 0's ranks are released by their round watch (it shuts down
+    the round's connections) within the node timeout and keep their processes; every rank
+    trains step 13 from step 12, nothing falls back, and the job ends bit-identical."""
+    h = hosts(3)
+    cluster = spare_cluster(tmp_path, "power", hosts=h)
+    try:
+        start_spare_first(cluster)
+        cut = time.time()
+        h.unplug(1)
+        cluster.lose(1)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish(240)
+    assert run.codes[0] == run.codes[2] == 0, explain(run)
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
+    fallbacks = [e for ev in run.events for e in ev if e["kind"] == "inprocess_fallback"]
+    assert not fallbacks, (fallbacks, explain(run))
+    for rank in (0, 1):  # node 0's ranks kept their processes through it
+        assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
+    kept, taken = restores(run.events[0]), restores(run.events[2])
+    assert {kept[r]["step"] for r in (0, 1)} == {12}, kept
+    assert sorted(taken) == [2, 3] and {e["step"] for e in taken.values()} == {12}, taken
+    assert run.digest == reference
+    back = first_step_after(run.events[2], cut)
+    assert back is not None, explain(run)
+    print(f"unplugged, then killed -> every rank trained again: {back - cut:.2f}s")

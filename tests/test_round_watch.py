@@ -183,16 +183,16 @@ print(len(c10d._world.pg_names))
 
 
 @pytest.mark.parametrize(("value", "expected"),
-                         [("auto", None), ("AUTO", None), ("1", True), ("on", True),
+                         [("auto", True), ("AUTO", True), ("1", True), ("on", True),
                           ("off", False), ("0", False)])  # fmt: skip
 def test_the_watch_setting(monkeypatch, value, expected):
     monkeypatch.setenv("FLASHCKPT_RECOVERY_WATCH", value)
     assert watch_setting() is expected
 
 
-def test_the_watch_is_auto_by_default_and_a_bad_setting_names_itself(monkeypatch):
+def test_the_watch_is_on_by_default_and_a_bad_setting_names_itself(monkeypatch):
     monkeypatch.delenv("FLASHCKPT_RECOVERY_WATCH", raising=False)
-    assert watch_setting() is None
+    assert watch_setting() is True
     monkeypatch.setenv("FLASHCKPT_RECOVERY_WATCH", "sometimes")
     with pytest.raises(ConfigError, match="FLASHCKPT_RECOVERY_WATCH"):
         watch_setting()

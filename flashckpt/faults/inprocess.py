@@ -18,13 +18,15 @@ took, come back) exits (``EXIT_CLAIMED``) instead of being counted. While a roun
 copies the collectives issued into the heartbeat page: the evidence that names a hang's
 culprit (``culprit``).
 
-Gloo's collectives fail within milliseconds when a peer's connections close. NCCL's do not:
-a collective blocked on a dead peer waits out its timeout. Under every backend but gloo each
-rank therefore runs a ``RoundWatch`` (``FLASHCKPT_RECOVERY_WATCH``) that aborts every process
-group of its process as soon as the round has moved on (a rank left it, or the launcher
-handed out a replacement), which releases it. The watch learns of it from the node's round
-file, which the launcher keeps up to date (``inprocess_agent.RoundRelay``): the ranks put no
-load on the store while they train. Recoveries are bounded by a budget (``Budget``), past
+A collective blocked on a lost peer is not released by itself: NCCL's wait out their timeout,
+and so do gloo's when the peer's host went silent (power lost, cut off the network: its
+connections are never closed). Each rank therefore runs a ``RoundWatch``
+(``FLASHCKPT_RECOVERY_WATCH``) that releases it as soon as the round has moved on (a rank left
+it, the launcher handed out a replacement, a spare node took a lost node's ranks): it aborts
+every process group of its process and, under gloo, whose ``abort()`` closes nothing, shuts
+down the connections the round opened (``release``). The watch learns of it from the node's
+round file, which the launcher keeps up to date (``inprocess_agent.RoundRelay``): the ranks
+put no load on the store while they train. Recoveries are bounded by a budget (``Budget``), past
 which the job falls back to TorchElastic's restarts.
 
 Under plain torchrun, or ``flashckpt-run`` without ``FLASHCKPT_RESTART_POLICY=in-process``,
@@ -52,12 +54,14 @@ from ..errors import ConfigError
 from . import heartbeat
 from .collectives import Sampler
 from .events import EventLog
+from .release import Connections
 from .round_watch import NodeRound, RoundStore, RoundWatch, StoreRound, abort_all_groups
 
 log = logging.getLogger(__name__)
 
 EXIT_GAVE_UP = 75
-"""A worker's exit status when its round did not form in time: restart everything."""
+"""A worker's exit status when in-process recovery cannot go on (its round did not form in
+time, the budget is spent, the same error came back): restart everything."""
 EXIT_CLAIMED = 77
 """A worker's exit status when another process holds its rank in its round: it stands down."""
 STORE_ENV = "FLASHCKPT_RECOVERY_STORE"  # host:port of the launcher's recovery store
@@ -101,9 +105,7 @@ def run_recoverable(train: Callable[[], Any], backend: str | None = None,
             return result
         if fault.own:
             if own_error == fault.signature:
-                log.error("rank %d raised the same error again after recovering from it: %s; "
-                          "giving up on in-process recovery", rounds.rank, fault.message)  # fmt: skip
-                raise fault.error
+                rounds.repeated(fault)  # exits: every worker restarts
             own_error = fault.signature
         del fault  # its traceback holds the round's objects (a DDP wrapper holds the group)
         rounds.leave(finished=False)
@@ -168,12 +170,21 @@ def _check_nccl(backend: str) -> None:
                     ".".join(map(str, version)), ".".join(map(str, MIN_NCCL)))  # fmt: skip
 
 
-def watch_setting() -> bool | None:
-    """``FLASHCKPT_RECOVERY_WATCH``: whether every round runs a RoundWatch; None for ``auto``
-    (the default: under every backend but gloo)."""
+def watch_setting() -> bool:
+    """``FLASHCKPT_RECOVERY_WATCH``: whether every round runs a RoundWatch (default: on;
+    ``auto`` is on too)."""
     if str(config.setting("recovery_watch", None, "auto")).lower() == "auto":
-        return None
+        return True
     return config.setting_bool("recovery_watch")
+
+
+def _gloo_only() -> bool:
+    """Whether this process's default group runs gloo alone (not beside NCCL, whose
+    connections its own abort closes and must not be cut under it)."""
+    try:
+        return dist.is_initialized() and dist.get_backend() == "gloo"
+    except Exception:
+        return False
 
 
 def namespace(env: Mapping[str, str]) -> str:
@@ -280,6 +291,7 @@ class Rounds:
         self._watch: RoundWatch | None = None
         self._sampler: Sampler | None = None  # the collectives issued, for culprit's evidence
         self._round_store: RoundStore | None = None  # the round's groups' store: kept alive
+        self._connections = Connections({port})  # what a round's gloo groups open
         self._watch_on = watch_setting()
         self.budget = Budget.from_env()
         # Who claims this rank in a round: unique to this process, readable in a refusal.
@@ -311,9 +323,8 @@ class Rounds:
             self._next_round()
         if self._left_at is None:
             _check_nccl(dist.get_backend())
-        watch = self._watch_on if self._watch_on is not None else dist.get_backend() != "gloo"
-        if watch:
-            self._watch = RoundWatch(self._round_source(), self.round, abort_all_groups)
+        if self._watch_on:
+            self._watch = RoundWatch(self._round_source(), self.round, self._release)
             self._watch.start()
         self._sampler = Sampler(heartbeat.record_issued)
         self._sampler.start()
@@ -348,12 +359,13 @@ class Rounds:
         # fails the round's connect or barrier (gloo: its timeout; every backend: the watch,
         # at the deadline or as soon as the job moves on), never a 30-minute wait.
         left = max(self.deadline - (time.monotonic() - began), 1.0)
-        forming = RoundWatch(self._round_source(), self.round, abort_all_groups, deadline=left)
+        forming = RoundWatch(self._round_source(), self.round, self._release, deadline=left)
         forming.start()
         self._round_store = RoundStore(self.store, self.key(f"round-{self.round}/over"),
                                        time.monotonic() + left)  # fmt: skip
         prefix = dist.PrefixStore(self.key(f"round-{self.round}"), self._round_store)
         error: Exception | None = None
+        self._connections.begin()
         try:
             dist.init_process_group(self.backend, store=prefix, rank=self.rank,
                                     world_size=self.world,
@@ -372,6 +384,16 @@ class Rounds:
         _set_pg_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))  # for training
         self._round_store.formed()
         return True
+
+    def _release(self) -> None:
+        """Release every collective of this process that its round is blocked in: abort its
+        process groups and, under gloo (whose abort closes nothing), shut down the connections
+        the round opened, as a dead peer's kernel would (``release``)."""
+        abort_all_groups()
+        if _gloo_only():
+            cut = self._connections.cut()
+            log.warning("rank %d: shut down %d connection(s) of round %d", self.rank, cut,
+                        self.round)  # fmt: skip
 
     def _claim(self) -> None:
         """Hold this rank in this round, or exit (``EXIT_CLAIMED``) if another process does:
@@ -410,6 +432,17 @@ class Rounds:
         if len(recent) > self.budget.count:
             self._give_up(f"{len(recent)} recoveries within {self.budget.steps} steps (at steps "
                           f"{recent}), over the recovery budget {self.budget}", budget=True)  # fmt: skip
+
+    def repeated(self, fault: Fault) -> None:
+        """Exit for good, and have every worker restarted (``EXIT_GAVE_UP``): this rank raised
+        the same error again right after recovering from it, a bug, not a fault. Not exit 1,
+        which the launcher takes for a lost rank and hands to a standby."""
+        log.error("rank %d raised the same error again after recovering from it; giving up on "
+                  "in-process recovery, the launcher restarts every worker",
+                  self.rank, exc_info=fault.error)  # fmt: skip
+        self._record("inprocess_gave_up", reason=f"the same error twice: {fault.message[:250]}")
+        logging.shutdown()
+        os._exit(EXIT_GAVE_UP)
 
     def leave_broken(self) -> None:
         """Exit for good: this process cannot go on (see ``cuda_healthy``)."""

@@ -313,7 +313,9 @@ class Supervisor:
             self._record_recovered(self.recovery)
             self.recovery = None
         if any(s == EXIT_GAVE_UP for s in failed.values()):
-            return self._fall_back("a worker's round did not form in time", original)
+            return self._fall_back("a worker gave up on in-process recovery (its round did not "
+                                   "form in time, the recovery budget was spent, or it raised "
+                                   "the same error twice: see its log)", original)  # fmt: skip
         for lr, status in failed.items():  # those found together: one recovery
             # A fault while a round forms (a replacement, or a rank that arrived, died) is
             # one more rank to replace: the round moves on and every rank follows it.

@@ -168,6 +168,7 @@ class StoreGate:
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        wire.keep_alive(writer.get_extra_info("socket"))  # a node that lost power lets go
         hands = wire.ServerHandshake(self.token.decode(), SERVICE, None, "")
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
@@ -238,6 +239,7 @@ class StoreTunnel:
         hands = wire.ClientHandshake(self.token.decode(), SERVICE, "", config.node_name(), "")
         try:
             gate = await self._connect()
+            wire.keep_alive(gate[1].get_extra_info("socket"))  # a silent gate fails, not hangs
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 gate[1].write(hands.hello())
                 await gate[1].drain()
