@@ -68,6 +68,22 @@ def test_the_rank_the_others_wait_for_is_chosen_whatever_the_clocks_say():
         served.close()
 
 
+def test_peers_blocked_on_a_rank_in_a_long_save_are_not_killed_for_it():
+    """Rank 3 hangs in ``save()`` (its own timeout five minutes), ranks 0 and 1 wait in the
+    next step's all-reduce, judged at the 30 s floor. Rank 3 is posted as soon as they are
+    (silent past half the floor, whatever its phase), so the evidence names it: it is the one
+    replaced at the floor, not a healthy peer."""
+    served, (n0, n1), _ = nodes(settle=0.0)
+    try:
+        saving = suspect("node1", 3, ago=31.0, world=40)
+        blocked = [suspect("node0", r, ago=31.0, world=41) for r in (0, 1)]
+        assert n1.decide([saving], judged=False) is None  # posted, not judged on its node
+        assert n0.decide(blocked, judged=True) == saving
+        assert n1.decide([saving], judged=False) == saving  # every node acts on the same one
+    finally:
+        served.close()
+
+
 def test_likeliest_follows_who_waits_for_whom_across_subgroups():
     """Tensor-parallel group ``tp`` {0, 1}, data-parallel ``dp`` {1, 2}: rank 0 hangs, rank 1
     waits for it in ``tp`` (so it never issues its ``dp`` collective), rank 2 waits for rank 1

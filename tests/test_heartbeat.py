@@ -231,9 +231,11 @@ def test_the_watchdog_finds_a_stopped_rank_and_dumps_its_stacks(shm_dir):
     assert not heartbeat_path(shm_dir, "hbstop", 0).exists()
 
 
-def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_last():
+def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_last(tmp_path):
     """In-process recovery kills one rank: the ranks blocked in a collective with a stopped
     one fall silent within moments of it, and may pass their timeout first."""
+    watch = NodeWatch(tmp_path, "j", EventLog(tmp_path / "e.jsonl"), HangPolicy(floor=3.0),
+                      one_at_a_time=True)  # fmt: skip
     stopped = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
@@ -247,14 +249,30 @@ def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_las
                         parent_and_state(pid)[1] == "T")  # fmt: skip
 
         waiting = hung(os.getpid(), 3.1, 2)  # this process: running, past its timeout
-        assert NodeWatch._culprit([waiting, hung(stopped.pid, 2.9, 3)]).rank == 3
+        assert watch._culprit([waiting, hung(stopped.pid, 2.9, 3)]).rank == 3
         # a stopped rank silent for less than half its timeout did not stop with this hang
-        assert NodeWatch._culprit([waiting, hung(stopped.pid, 1.0, 3)]).rank == 2
+        assert watch._culprit([waiting, hung(stopped.pid, 1.0, 3)]).rank == 2
         # none stopped, no collective counts (see test_culprit): the one silent longest
-        assert NodeWatch._culprit([waiting, hung(os.getppid(), 3.5, 1)]).rank == 1
+        assert watch._culprit([waiting, hung(os.getppid(), 3.5, 1)]).rank == 1
     finally:
         stopped.kill()
         stopped.wait()
+
+
+def test_a_rank_hung_in_save_is_the_culprit_its_blocked_peers_are_not(tmp_path):
+    """Rank 3 hangs in ``save()`` (its phase's timeout 300 s) while rank 2 waits in the next
+    step's all-reduce (3 s, past it): rank 3 is a suspect once it is silent past half the
+    floor, whatever its own timeout, and the evidence (rank 2 issued a collective rank 3 has
+    not) makes it the culprit, not the peer blocked on it."""
+    watch = NodeWatch(tmp_path, "j", EventLog(tmp_path / "e.jsonl"), HangPolicy(floor=3.0),
+                      one_at_a_time=True)  # fmt: skip
+    now = time.time()
+    waiting = Hang(2, 12, "train", 10, 3.1, 3.0, now - 3.1, {"world": 41})
+    saving = Hang(3, 13, "save", 10, 3.0, 300.0, now - 3.0, {"world": 40})
+    assert watch._suspects([waiting, saving]) == [waiting, saving]
+    assert watch._culprit([waiting, saving]).rank == 3
+    quiet = Hang(3, 13, "save", 10, 1.0, 300.0, now - 1.0, {"world": 40})  # not half the floor
+    assert watch._suspects([waiting, quiet]) == [waiting]
 
 
 def test_ranks_blocked_with_a_killed_culprit_wait_for_its_replacement_to_start(tmp_path):

@@ -6,13 +6,17 @@ replace one, and at a thousand nodes the standbys would drain into a full restar
 nodes agree, through the job's recovery store, on one culprit per round, from evidence rather
 than from when each node happened to look:
 
-- a node with a rank silent past half its hang timeout posts every such rank's evidence (see
-  ``collectives``: whether it is stopped, its step, its last progress on the wall clock, the
-  collectives it issued) under its own name, and keeps it current while they stay silent;
+- a node with a rank silent past half the hang floor (whatever its phase: a rank hung in
+  ``save()``, whose own timeout is longer, is posted as soon as its peers blocked on it are)
+  posts every such rank's evidence (see ``collectives``: whether it is stopped, its step, its
+  last progress on the wall clock, the collectives it issued) under its own name, and keeps
+  it current while they stay silent;
 - once a rank here is past its timeout and ``settle`` seconds have passed since this node
   first posted, it orders every rank posted by the job (``collectives.likeliest``) and records
-  the first as the culprit, unless another node recorded one first; a stopped process here is
-  recorded at once (it is the cause, whatever the others post);
+  the first as the culprit, unless another node recorded one first: the rank the others wait
+  for, even one within its own phase's budget (a ``save()`` that its peers, blocked in the
+  next collective past their timeout, wait for is the cause, not them); a stopped process
+  here is recorded at once (it is the cause, whatever the others post);
 - every node acts on the recorded culprit alone: the node that runs it kills it (its
   replacement then moves the job to the next round), the others wait.
 """

@@ -122,9 +122,9 @@ class NodeWatch(threading.Thread):
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
         silences = self.watchdog.silences(workers)
         hangs = [h for h in silences if h.silent_s > h.timeout_s]
-        # The store is asked only while a rank here is silent past half its timeout: blocked
+        # The store is asked only while a rank here is silent past half the floor: blocked
         # with a culprit elsewhere, or about to be judged (a quiet node costs the store nothing).
-        suspect = any(h.silent_s > h.timeout_s / 2 for h in silences)
+        suspect = bool(self._suspects(silences))
         if self.culprits is not None:
             self._note_round()
         if self.one_at_a_time and (hangs or (self.culprits is not None and suspect)):
@@ -191,7 +191,7 @@ class NodeWatch(threading.Thread):
         from .culprit import Suspect
 
         node = self.culprits.node
-        mine = [Suspect.of(node, h) for h in silences if h.silent_s > h.timeout_s / 2]
+        mine = [Suspect.of(node, h) for h in self._suspects(silences)]
         try:
             decided = self.culprits.decide(mine, judged=bool(hangs))
         except Exception as exc:  # the store out of reach: judge alone, as without it
@@ -207,14 +207,20 @@ class NodeWatch(threading.Thread):
             return []
         return [h for h in silences if (h.rank, h.pid) == (decided.rank, decided.pid)]
 
-    @staticmethod
-    def _culprit(silences: list[Hang]) -> Hang:
-        """Of ranks hung together (one past its timeout, the others silent at least half of
-        theirs: blocked in a collective with it, or about to be judged), the likely cause, by
-        the evidence their pages carry (``collectives.likeliest``)."""
+    def _suspects(self, silences: list[Hang]) -> list[Hang]:
+        """The ranks silent past half the hang floor, whatever their phase's own timeout: a
+        rank hung in ``save()`` (five minutes) is a suspect as soon as the peers blocked on it
+        (thirty seconds) are."""
+        return [h for h in silences if h.silent_s > min(h.timeout_s, self.floor) / 2]
+
+    def _culprit(self, silences: list[Hang]) -> Hang:
+        """Of ranks hung together (one past its timeout, the others silent at least half the
+        floor: blocked in a collective with it, or about to be judged), the likely cause, by
+        the evidence their pages carry (``collectives.likeliest``), within its own phase's
+        budget or not."""
         from .collectives import likeliest
 
-        return likeliest([h for h in silences if h.silent_s > h.timeout_s / 2])
+        return likeliest(self._suspects(silences))
 
     def _workers(self) -> dict[int, int]:
         """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
