@@ -114,11 +114,12 @@ class AgentClient:
         run_dir: Path,
         shm_dir: Path,
         spawn: bool = True,
-        timeout: float = 30,
+        timeout: float = 60,
         extra: tuple[str, ...] = (),
     ) -> AgentClient:
         """The job's agent on this node; spawned detached (with ``extra`` arguments) if none
-        answers and ``spawn``."""
+        answers and ``spawn``, waited for up to ``timeout`` (a starting Python on a node whose
+        cores are all busy, a first import of torch from a cold disk, can take half a minute)."""
         private_dir(run_dir, "run_dir")
         client = cls(job, run_dir)
         client._shm_dir = shm_dir
