@@ -27,7 +27,7 @@ from flashckpt.faults.heartbeat import (
     remove_dead,
     stacks_path,
 )
-from flashckpt.faults.launcher import NodeWatch
+from flashckpt.faults.node_watch import NodeWatch
 from flashckpt.faults.proc import parent_and_state
 from flashckpt.faults.report import render, summarize
 from flashckpt.snapshot.slots import free_rank
