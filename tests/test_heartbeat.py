@@ -135,7 +135,9 @@ def test_the_sampler_shows_a_rank_blocked_behind_a_sleeping_one(tmp_path):
         assert beats[0].step == beats[1].step == 3
         hangs = [Hang(r, p.pid, "train", 3, 5.0, 3.0, time.time() - 5, b.issued, False)
                  for r, b in beats.items() for p in [procs[r]]]  # fmt: skip
-        assert NodeWatch._culprit(hangs).rank == 1
+        watch = NodeWatch(tmp_path, "j", EventLog(tmp_path / "e.jsonl"), HangPolicy(floor=3.0),
+                          one_at_a_time=True)  # fmt: skip
+        assert watch._culprit(hangs).rank == 1
     finally:
         for p in procs:
             p.kill()
