@@ -5,10 +5,11 @@ phase's timeout (``hang``) once its stacks are logged.
 
 Under the restart policy the kill makes TorchElastic restart the node's worker group (and,
 through the rendezvous, every other node's). Under in-process recovery the kill hands the rank
-to a warm standby (``inprocess_agent``), and of ranks found hung together only the likely
-culprit is killed: the others are blocked in a collective with it and recover once its
-replacement joins. Across nodes, the culprit is the job's, agreed with the other nodes through
-the recovery store (``culprit``), and killed only by the node that runs it.
+to a warm standby (``inprocess_agent``), and of ranks found hung together only the causes
+are killed (``collectives.causes``: the likely culprit, or every one of several hung at once):
+the others are blocked in a collective with them and recover once their replacements join.
+Across nodes, the culprits are the job's, agreed with the other nodes through the recovery
+store (``culprit``), and each is killed only by the node that runs it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ class NodeWatch(threading.Thread):
                  interval: float = 0.25, one_at_a_time: bool = False,
                  culprits: Any = None):  # fmt: skip
         """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
-        the likely culprit is killed (see ``_culprit``); the others, blocked in a collective
-        with it, are not judged again before its replacement has started (at most the
+        the causes are killed (see ``_culprit``); the others, blocked in a collective with
+        them, are not judged again before their replacements have started (at most the
         start-up budget) and had the hang floor to join them. ``culprits`` (a
-        ``culprit.JobCulprit``): the culprit is the job's, agreed with the other nodes, and
-        this node kills it only if it runs it."""
+        ``culprit.JobCulprit``): the culprits are the job's, agreed with the other nodes, and
+        this node kills those it runs."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
@@ -50,7 +51,8 @@ class NodeWatch(threading.Thread):
         self.one_at_a_time, self.floor = one_at_a_time, policy.floor
         self._quiet_until = 0.0
         self._startup = policy.startup
-        self._replacing: tuple[Hang, float] | None = None  # the culprit killed, and when
+        # the culprits killed in one decision and not replaced yet, and when they were killed
+        self._replacing: tuple[list[Hang], float] | None = None
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
         self.culprits = culprits
         self._round_seen: str | None = None  # the round prefix of the last poll
@@ -100,9 +102,9 @@ class NodeWatch(threading.Thread):
             elif self.culprits is not None:
                 hangs = self._jobs_culprit(silences, hangs)
             else:
-                hangs = [self._culprit(silences)]
+                hangs = self._culprit(silences)
             if hangs:
-                self._replacing = hangs[0], time.monotonic()
+                self._replacing = list(hangs), time.monotonic()
                 self._quiet_until = time.monotonic() + self.floor
         states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
         # A stopped worker first: its dump needs it continued, and it must not die first of
@@ -137,24 +139,29 @@ class NodeWatch(threading.Thread):
             self._round_seen = prefix
 
     def _awaiting_replacement(self) -> bool:
-        """Whether the rank last killed as a culprit has no new process yet: the ranks
-        blocked with it wait for that one (however long a loaded node takes to start it)."""
+        """Whether a rank last killed as a culprit has no new process yet: the ranks blocked
+        with them wait for every one (however long a loaded node takes to start them)."""
         if self._replacing is None:
             return False
         killed, at = self._replacing
-        beat = read(heartbeat_path(self.shm_dir, self.job, killed.rank))
-        if beat is not None and beat.pid != killed.pid:  # the replacement has its page
+        waiting = []
+        for hang in killed:
+            beat = read(heartbeat_path(self.shm_dir, self.job, hang.rank))
+            if beat is None or beat.pid == hang.pid:  # the replacement has no page yet
+                waiting.append(hang)
+        if not waiting:  # every replacement has its page: the floor starts now
             self._replacing = None
             self._quiet_until = time.monotonic() + self.floor
             return True
-        if time.monotonic() - at > self._startup:  # never replaced here: judge again
+        if time.monotonic() - at > self._startup:  # not all replaced here: judge again
             self._replacing = None
             return False
+        self._replacing = waiting, at
         return True
 
     def _jobs_culprit(self, silences: list[Hang], hangs: list[Hang]) -> list[Hang]:
-        """The job's culprit, if it runs here (see ``culprit``); [] while the nodes agree, or
-        when it runs elsewhere."""
+        """The job's culprits that run here (see ``culprit``); [] while the nodes agree, or
+        when they all run elsewhere."""
         from .culprit import Suspect
 
         node = self.culprits.node
@@ -162,17 +169,18 @@ class NodeWatch(threading.Thread):
         try:
             decided = self.culprits.decide(mine, judged=bool(hangs))
         except Exception as exc:  # the store out of reach: judge alone, as without it
-            log.warning("the job's culprit cannot be agreed on (%s): judging this node alone",
+            log.warning("the job's culprits cannot be agreed on (%s): judging this node alone",
                         exc)  # fmt: skip
-            decided = Suspect.of(node, self._culprit(silences)) if hangs else None
-        if decided is None:
+            decided = [Suspect.of(node, h) for h in self._culprit(silences)] if hangs else []
+        if not decided:
             return []
-        if decided.node != node:
-            # Ranks here were blocked with it: they recover once its replacement joins. Not
-            # judged again before they have had the hang floor to (as on its own node).
+        here = {(d.rank, d.pid) for d in decided if d.node == node}
+        if not here:
+            # Ranks here were blocked with them: they recover once their replacements join.
+            # Not judged again before they have had the hang floor to (as on their nodes).
             self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
             return []
-        return [h for h in silences if (h.rank, h.pid) == (decided.rank, decided.pid)]
+        return [h for h in silences if (h.rank, h.pid) in here]
 
     def _suspects(self, silences: list[Hang]) -> list[Hang]:
         """The ranks silent past half the hang floor, whatever their phase's own timeout: a
@@ -180,14 +188,14 @@ class NodeWatch(threading.Thread):
         (thirty seconds) are."""
         return [h for h in silences if h.silent_s > min(h.timeout_s, self.floor) / 2]
 
-    def _culprit(self, silences: list[Hang]) -> Hang:
+    def _culprit(self, silences: list[Hang]) -> list[Hang]:
         """Of ranks hung together (one past its timeout, the others silent at least half the
-        floor: blocked in a collective with it, or about to be judged), the likely cause, by
-        the evidence their pages carry (``collectives.likeliest``), within its own phase's
-        budget or not."""
-        from .collectives import likeliest
+        floor: blocked in a collective with it, or about to be judged), the causes, by the
+        evidence their pages carry (``collectives.causes``: every stopped one, every one the
+        others wait for, or the likeliest alone), within their own phase's budget or not."""
+        from .collectives import causes
 
-        return likeliest(self._suspects(silences))
+        return causes(self._suspects(silences))
 
     def _workers(self) -> dict[int, int]:
         """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
