@@ -27,7 +27,7 @@ from flashckpt.faults.heartbeat import (
     remove_dead,
     stacks_path,
 )
-from flashckpt.faults.launcher import NodeWatch
+from flashckpt.faults.node_watch import NodeWatch
 from flashckpt.faults.proc import parent_and_state
 from flashckpt.faults.report import render, summarize
 from flashckpt.snapshot.slots import free_rank
@@ -135,7 +135,9 @@ def test_the_sampler_shows_a_rank_blocked_behind_a_sleeping_one(tmp_path):
         assert beats[0].step == beats[1].step == 3
         hangs = [Hang(r, p.pid, "train", 3, 5.0, 3.0, time.time() - 5, b.issued, False)
                  for r, b in beats.items() for p in [procs[r]]]  # fmt: skip
-        assert NodeWatch._culprit(hangs).rank == 1
+        watch = NodeWatch(tmp_path, "j", EventLog(tmp_path / "e.jsonl"), HangPolicy(floor=3.0),
+                          one_at_a_time=True)  # fmt: skip
+        assert [h.rank for h in watch._culprit(hangs)] == [1]
     finally:
         for p in procs:
             p.kill()
@@ -249,11 +251,11 @@ def test_of_ranks_hung_together_the_stopped_one_is_the_culprit_though_judged_las
                         parent_and_state(pid)[1] == "T")  # fmt: skip
 
         waiting = hung(os.getpid(), 3.1, 2)  # this process: running, past its timeout
-        assert watch._culprit([waiting, hung(stopped.pid, 2.9, 3)]).rank == 3
+        assert [h.rank for h in watch._culprit([waiting, hung(stopped.pid, 2.9, 3)])] == [3]
         # a stopped rank silent for less than half its timeout did not stop with this hang
-        assert watch._culprit([waiting, hung(stopped.pid, 1.0, 3)]).rank == 2
+        assert [h.rank for h in watch._culprit([waiting, hung(stopped.pid, 1.0, 3)])] == [2]
         # none stopped, no collective counts (see test_culprit): the one silent longest
-        assert watch._culprit([waiting, hung(os.getppid(), 3.5, 1)]).rank == 1
+        assert [h.rank for h in watch._culprit([waiting, hung(os.getppid(), 3.5, 1)])] == [1]
     finally:
         stopped.kill()
         stopped.wait()
@@ -270,7 +272,7 @@ def test_a_rank_hung_in_save_is_the_culprit_its_blocked_peers_are_not(tmp_path):
     waiting = Hang(2, 12, "train", 10, 3.1, 3.0, now - 3.1, {"world": 41})
     saving = Hang(3, 13, "save", 10, 3.0, 300.0, now - 3.0, {"world": 40})
     assert watch._suspects([waiting, saving]) == [waiting, saving]
-    assert watch._culprit([waiting, saving]).rank == 3
+    assert watch._culprit([waiting, saving]) == [saving]
     quiet = Hang(3, 13, "save", 10, 1.0, 300.0, now - 1.0, {"world": 40})  # not half the floor
     assert watch._suspects([waiting, quiet]) == [waiting]
 
@@ -284,7 +286,7 @@ def test_ranks_blocked_with_a_killed_culprit_wait_for_its_replacement_to_start(t
     watch = NodeWatch(shm, "wait", EventLog(tmp_path / "e.jsonl"), policy, one_at_a_time=True)
     killed = Hang(1, os.getpid() + 100000, "train", 10, 4.0, 3.0)
     assert not watch._awaiting_replacement()  # nothing killed yet
-    watch._replacing = killed, time.monotonic()
+    watch._replacing = [killed], time.monotonic()
     assert watch._awaiting_replacement()  # no page of rank 1 yet
     hb = Heartbeat(heartbeat_path(shm, "wait", 1), stacks_path(shm, "wait", 1))  # the new one
     try:
@@ -292,11 +294,38 @@ def test_ranks_blocked_with_a_killed_culprit_wait_for_its_replacement_to_start(t
         assert watch._awaiting_replacement()  # its page is there: the floor starts now
         assert watch._replacing is None and watch._quiet_until >= before + 3
         assert not watch._awaiting_replacement()
-        watch._replacing = killed, time.monotonic() - 61  # never replaced within start-up
+        watch._replacing = [killed], time.monotonic() - 61  # never replaced within start-up
         hb.close()
         assert not watch._awaiting_replacement() and watch._replacing is None
     finally:
         hb.close()
+
+
+def test_ranks_blocked_with_several_killed_culprits_wait_for_every_replacement(tmp_path):
+    """Two culprits killed in one decision (two ranks hung at once): the ranks blocked with
+    them are not judged before both replacements have their pages, then the floor."""
+    shm = tmp_path / "shm"
+    (shm / "two").mkdir(parents=True)
+    policy = HangPolicy(floor=3, startup=60)
+    watch = NodeWatch(shm, "two", EventLog(tmp_path / "e.jsonl"), policy, one_at_a_time=True)
+    killed = [Hang(r, os.getpid() + 100000 + r, "train", 10, 4.0, 3.0) for r in (1, 2)]
+    watch._replacing = list(killed), time.monotonic()
+    first = Heartbeat(heartbeat_path(shm, "two", 1), stacks_path(shm, "two", 1))
+    second = None
+    try:
+        assert watch._awaiting_replacement()  # rank 2 has no new process yet
+        assert watch._replacing[0] == [killed[1]] and watch._quiet_until == 0.0
+        second = Heartbeat(heartbeat_path(shm, "two", 2), stacks_path(shm, "two", 2))
+        before = time.monotonic()
+        assert watch._awaiting_replacement()  # both have their pages: the floor starts now
+        assert watch._replacing is None and watch._quiet_until >= before + 3
+        second.close()
+        watch._replacing = list(killed), time.monotonic() - 61  # one never replaced
+        assert not watch._awaiting_replacement() and watch._replacing is None
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
 
 
 def test_the_report_splits_lost_time_into_its_parts(tmp_path):

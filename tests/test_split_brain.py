@@ -30,7 +30,7 @@ from flashckpt.faults import control
 from flashckpt.faults.events import EventLog, read_events
 from flashckpt.faults.inprocess import EXIT_CLAIMED, NAMESPACE_ENV, last_round, move_round
 from flashckpt.faults.inprocess_agent import Member, Supervisor
-from flashckpt.faults.spare import (
+from flashckpt.faults.spare_marks import (
     mark_replaced,
     run_ended,
     run_started,

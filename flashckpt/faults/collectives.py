@@ -12,7 +12,11 @@ issued on them (their sequence number, under gloo and NCCL alike), so:
 - ``likeliest`` orders the silent ranks of a job by that evidence: a stopped process first;
   then a rank that no other has to wait for is never chosen while another is waited for; among
   the rest, the rank that issued least, then the one behind in steps, then the one whose last
-  progress (on its node's wall clock) came first.
+  progress (on its node's wall clock) came first;
+- ``causes`` names every cause among them, for faults that struck several ranks at once (two
+  ranks hung together, a node's workers all stopped): every stopped process if one is; else,
+  where the counts show who waits for whom, every rank that others wait for and that waits
+  for none; else (no such evidence) the likeliest alone.
 """
 
 from __future__ import annotations
@@ -75,6 +79,29 @@ def likeliest(ranks: Sequence[Evidence]) -> Evidence:
         return (not r.stopped, waiting[i], not waited_for[i], step, r.last_progress)
 
     return ranks[min(range(len(ranks)), key=key)]
+
+
+def causes(ranks: Sequence[Evidence]) -> list[Evidence]:
+    """Every cause among silent ``ranks`` (see the module doc), in their order; [] for none.
+
+    A stopped process is a cause whatever the others show, so every stopped one is. Without
+    one, a rank is a cause when the collective counts show another waiting for it while it
+    waits for none (its peers blocked behind two sleepers have issued a collective neither
+    reached). Where the counts show no one waiting (a backend that keeps none), or only ranks
+    that each wait on another, the evidence cannot tell several causes from one blocked on
+    another: only the likeliest is named."""
+    if not ranks:
+        return []
+    stopped = [r for r in ranks if r.stopped]
+    if stopped:
+        return stopped
+    found = [
+        r
+        for r in ranks
+        if any(_ahead(o, r) for o in ranks if o is not r)
+        and not any(_ahead(r, o) for o in ranks if o is not r)
+    ]
+    return found or [likeliest(ranks)]
 
 
 class Sampler(threading.Thread):

@@ -1,10 +1,10 @@
-"""One culprit for a hang, chosen for the whole job under in-process recovery.
+"""The culprits of a hang, chosen once for the whole job under in-process recovery.
 
 When a rank hangs, the ranks in a collective with it go silent too, on every node. Each
 node's watchdog sees only its own ranks: judged per node, every node with a blocked rank would
 replace one, and at a thousand nodes the standbys would drain into a full restart. So the
-nodes agree, through the job's recovery store, on one culprit per round, from evidence rather
-than from when each node happened to look:
+nodes agree, through the job's recovery store, on the culprits of each round, from evidence
+rather than from when each node happened to look:
 
 - a node with a rank silent past half the hang floor (whatever its phase: a rank hung in
   ``save()``, whose own timeout is longer, is posted as soon as its peers blocked on it are)
@@ -12,13 +12,17 @@ than from when each node happened to look:
   last progress on the wall clock, the collectives it issued) under its own name, and keeps
   it current while they stay silent;
 - once a rank here is past its timeout and ``settle`` seconds have passed since this node
-  first posted, it orders every rank posted by the job (``collectives.likeliest``) and records
-  the first as the culprit, unless another node recorded one first: the rank the others wait
-  for, even one within its own phase's budget (a ``save()`` that its peers, blocked in the
-  next collective past their timeout, wait for is the cause, not them); a stopped process
-  here is recorded at once (it is the cause, whatever the others post);
-- every node acts on the recorded culprit alone: the node that runs it kills it (its
-  replacement then moves the job to the next round), the others wait.
+  first posted, it names the causes among every rank posted by the job
+  (``collectives.causes``) and records them as the round's culprits, unless another node
+  recorded them first: the ranks the others wait for, even one within its own phase's budget
+  (a ``save()`` that its peers, blocked in the next collective past their timeout, wait for
+  is the cause, not them), every one of them when several are (two ranks hung at once), or
+  the likeliest alone where the evidence cannot tell; a stopped process here is recorded at
+  once (it is a cause, whatever the others post), with every other stopped process this node
+  runs or another node posted (a node whose workers all stopped);
+- the culprits are recorded once per round (one ``compare_set``), so every node acts on the
+  same set: each node kills those it runs (their replacements then move the job to the next
+  round together), the others wait.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .collectives import likeliest
+from .collectives import causes
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +66,9 @@ class Suspect:
 
 
 class JobCulprit:
-    """This node's side of choosing one culprit per round (see the module doc). ``where``
-    gives the store's key prefix of the current worker group and its round, or None when
-    there is none yet."""
+    """This node's side of choosing the culprits of each round (see the module doc).
+    ``where`` gives the store's key prefix of the current worker group and its round, or None
+    when there is none yet."""
 
     def __init__(self, store: Any, node: str, where: Any, settle: float = SETTLE_S):
         """``store``: a store client, or a callable that makes one when first needed (the
@@ -93,19 +97,19 @@ class JobCulprit:
 
         return cls(make, node, where)
 
-    def decide(self, mine: list[Suspect], judged: bool) -> Suspect | None:
-        """The job's culprit of the current round, once chosen (None before: wait). ``mine``:
+    def decide(self, mine: list[Suspect], judged: bool) -> list[Suspect]:
+        """The job's culprits of the current round, once chosen ([] before: wait). ``mine``:
         this node's ranks silent past half their timeout; ``judged``: one of them is past it."""
         prefix = self.where()
         if prefix is None:  # no worker group known yet: judge alone, as without the store
-            return likeliest(mine) if judged and mine else None
+            return causes(mine) if judged and mine else []
         culprit = f"{prefix}/culprit"
         if self.store.check([culprit]):
-            return Suspect.loads(self.store.get(culprit))
+            return _loads(self.store.get(culprit))
         if not mine:
-            return None
+            return []
         now = time.monotonic()
-        posted = json.dumps([asdict(s) for s in mine], sort_keys=True)
+        posted = _dumps(mine)
         if self._posted.get(prefix, (0.0, ""))[1] != posted:
             self.store.set(f"{prefix}/suspects/{self.node}", posted)
             if prefix not in self._posted:
@@ -113,20 +117,17 @@ class JobCulprit:
             first = self._posted.get(prefix, (now, ""))[0]
             self._posted[prefix] = (first, posted)
         if not judged:
-            return None
-        choice = likeliest(mine)
-        every = [choice]
-        if not choice.stopped:
-            if now - self._posted[prefix][0] < self.settle:
-                return None
-            every = self._every(prefix)
-            choice = likeliest(every)
-        found = self.store.compare_set(culprit, "", choice.dumps())
-        decided = Suspect.loads(found)
-        log.info("the job's culprit for this hang: rank %d on node %s (%s, step %s, last progress "
-                 "%.1fs ago), of %d suspect(s)", decided.rank, decided.node,
-                 "stopped" if decided.stopped else "running", decided.step,
-                 time.time() - decided.last_progress, len(every))  # fmt: skip
+            return []
+        if not any(s.stopped for s in mine) and now - self._posted[prefix][0] < self.settle:
+            return []
+        # Every rank posted in this round, this node's as it posted them: with a stopped
+        # process here, every stopped one (``causes``), at once; else the causes among them.
+        every = self._every(prefix)
+        every += [s for s in mine if s not in every]
+        found = self.store.compare_set(culprit, "", _dumps(causes(every)))
+        decided = _loads(found)
+        log.info("the job's culprits for this hang, of %d suspect(s): %s", len(every),
+                 "; ".join(_describe(d) for d in decided))  # fmt: skip
         return decided
 
     def _every(self, prefix: str) -> list[Suspect]:
@@ -138,3 +139,19 @@ class JobCulprit:
             raw = self.store.get(f"{prefix}/suspects/{node}")
             out.extend(Suspect(**one) for one in json.loads(raw))
         return out
+
+
+def _describe(s: Suspect) -> str:
+    return (f"rank {s.rank} on node {s.node} ({'stopped' if s.stopped else 'running'}, step "
+            f"{s.step}, last progress {time.time() - s.last_progress:.1f}s ago)")  # fmt: skip
+
+
+def _dumps(suspects: list[Suspect]) -> str:
+    return json.dumps([asdict(s) for s in suspects], sort_keys=True)
+
+
+def _loads(raw: bytes | str) -> list[Suspect]:
+    """The recorded culprits (one suspect's object, as recorded before there were several, is
+    read as a list of one)."""
+    found = json.loads(raw)
+    return [Suspect(**one) for one in (found if isinstance(found, list) else [found])]

@@ -13,8 +13,9 @@ is not a fault: it is logged and left alone.
 
 A node that a spare node took while it was found lost (its agent silent, the node alive) is
 fenced here too: when its launcher sees the job's round move, or a worker of its own fail, it
-looks for the spare's mark (``spare.was_replaced``) and, found, kills its workers (each a second
-claimant of a rank the spare holds now), replaces none, and ends without the exit barrier.
+looks for the spare's mark (``spare_marks.was_replaced``) and, found, kills its workers (each a
+second claimant of a rank the spare holds now), replaces none, and ends without the exit
+barrier.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from .inprocess import (
     move_round,
     namespace,
 )
-from .spare import publish_node, run_ended, run_started, was_replaced
+from .spare_marks import publish_node, run_ended, run_started, was_replaced
 from .standby import READY_FD_ENV, SCRIPT_ENV
 
 log = logging.getLogger(__name__)

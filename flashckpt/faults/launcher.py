@@ -8,27 +8,32 @@ It takes exactly torchrun's arguments and runs ``torch.distributed.run`` (TorchE
   store, where the previous attempt's keys make the new workers' gloo/NCCL connect time out;
 - ``FLASHCKPT_JOB`` is stable across reruns of the same command (``--rdzv-id``, else derived
   from the command line) and printed, so a rerun resumes;
-- a watchdog reads this node's heartbeat pages, records worker starts and exits in the event
-  log, and kills a hung worker after its stacks are logged, so TorchElastic restarts the
-  worker group (and, through the rendezvous, every other node's);
+- a watchdog (``node_watch``) reads this node's heartbeat pages, records worker starts and
+  exits in the event log, and kills a hung worker after its stacks are logged, so TorchElastic
+  restarts the worker group (and, through the rendezvous, every other node's);
 - it keeps this node's agent running and, where it can bind the controller's address (the
   rendezvous host), serves the job's controller: the agents report to it, and on a failed
   worker or a lost node it has every node's agent kill the failed round's workers, so ranks
   blocked in a collective with a dead peer are released and every node restarts at once.
+
+Under ``FLASHCKPT_RESTART_POLICY=in-process`` it also reaches the job's recovery store and has
+a lost worker replaced by a warm standby instead (``inprocess_agent``); with ``--spare`` it
+runs no workers and serves the job as a spare node (``spare``). ``main`` settles the node's
+settings (``settle``), then runs either the spare (``run_spare``) or the workers
+(``run_workers``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import config
 from ..errors import FlashCkptError
@@ -39,9 +44,9 @@ from .addresses import serve_here
 from .agent_keeper import AgentKeeper
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
-from .hang import Hang, HangPolicy, Watchdog
-from .heartbeat import Phase, heartbeat_path, pages, read, remove_dead
-from .proc import parent_and_state
+from .hang import HangPolicy
+from .heartbeat import remove_dead
+from .node_watch import NodeWatch
 from .spare import split_flag
 
 if TYPE_CHECKING:
@@ -61,172 +66,6 @@ def job_for(args) -> str:
     command = [args.training_script, *args.training_script_args]
     derived = None if args.module else config.job_from_command(command)
     return derived or config.derived_name(args.training_script, command)  # python -m module
-
-
-class NodeWatch(threading.Thread):
-    """Polls this node's heartbeat pages of ``job``: logs worker starts and exits, and kills
-    a hung worker (its stacks logged first)."""
-
-    def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
-                 interval: float = 0.25, one_at_a_time: bool = False,
-                 culprits: Any = None):  # fmt: skip
-        """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
-        the likely culprit is killed (see ``_culprit``); the others, blocked in a collective
-        with it, are not judged again before its replacement has started (at most the
-        start-up budget) and had the hang floor to join them. ``culprits`` (a
-        ``culprit.JobCulprit``): the culprit is the job's, agreed with the other nodes, and
-        this node kills it only if it runs it."""
-        super().__init__(name="flashckpt-watchdog", daemon=True)
-        self.shm_dir, self.job = shm_dir, job
-        self.watchdog = Watchdog(shm_dir, job, policy)
-        self.events, self.interval = events, interval
-        self.one_at_a_time, self.floor = one_at_a_time, policy.floor
-        self._quiet_until = 0.0
-        self._startup = policy.startup
-        self._replacing: tuple[Hang, float] | None = None  # the culprit killed, and when
-        self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
-        self.culprits = culprits
-        self._round_seen: str | None = None  # the round prefix of the last poll
-        self._halt = self.halted = threading.Event()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(5)
-
-    def run(self) -> None:
-        while not self._halt.wait(self.interval):
-            try:
-                self.poll()
-            except Exception:  # the watchdog must never take the launcher down
-                log.exception("watchdog poll failed")
-
-    def poll(self) -> None:
-        workers = self._workers()
-        for rank, pid in workers.items():
-            if pid not in self.seen:
-                self.seen[pid] = rank
-                self.events.record("worker_started", rank=rank, worker_pid=pid)
-        me = os.getpid()
-        for pid, rank in list(self.seen.items()):
-            if parent_and_state(pid)[0] == me:
-                continue
-            del self.seen[pid]
-            # A worker that closed its Checkpointer removed its page (or marked it closed);
-            # one that died left it as it was at its last sign of life.
-            beat = read(heartbeat_path(self.shm_dir, self.job, rank))
-            if beat is None or beat.pid != pid or beat.phase == Phase.CLOSED:
-                self.events.record("worker_finished", rank=rank, worker_pid=pid)
-            else:
-                self.events.record("worker_exited", rank=rank, worker_pid=pid, step=beat.step,
-                                   phase=beat.phase.name.lower(),
-                                   silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
-        silences = self.watchdog.silences(workers)
-        hangs = [h for h in silences if h.silent_s > h.timeout_s]
-        # The store is asked only while a rank here is silent past half the floor: blocked
-        # with a culprit elsewhere, or about to be judged (a quiet node costs the store nothing).
-        suspect = bool(self._suspects(silences))
-        if self.culprits is not None:
-            self._note_round()
-        if self.one_at_a_time and (hangs or (self.culprits is not None and suspect)):
-            if self._awaiting_replacement() or time.monotonic() < self._quiet_until:
-                hangs = []
-            elif self.culprits is not None:
-                hangs = self._jobs_culprit(silences, hangs)
-            else:
-                hangs = [self._culprit(silences)]
-            if hangs:
-                self._replacing = hangs[0], time.monotonic()
-                self._quiet_until = time.monotonic() + self.floor
-        states = {h.pid: parent_and_state(h.pid)[1] for h in hangs}
-        # A stopped worker first: its dump needs it continued, and it must not die first of
-        # the SIGTERM TorchElastic sends once another worker is killed (a stopped process
-        # with SIGTERM's default action dies at once). Each is killed right after its dump.
-        for hang in sorted(hangs, key=lambda h: states[h.pid] != "T"):
-            log.error(
-                "rank %d (pid %d) is hung: no progress for %.1fs in its %s phase at step %s "
-                "(timeout %.1fs); dumping its stacks and killing it so the job restarts",
-                hang.rank, hang.pid, hang.silent_s, hang.phase, hang.step, hang.timeout_s,
-            )  # fmt: skip
-            self.events.record("hang_detected", rank=hang.rank, worker_pid=hang.pid,
-                               phase=hang.phase, step=hang.step, silent_s=hang.silent_s,
-                               timeout_s=hang.timeout_s,
-                               process_state=states[hang.pid])  # fmt: skip
-            stacks = self.watchdog.stacks(hang.rank, hang.pid, stopped=states[hang.pid] == "T")
-            self.events.record("stacks", rank=hang.rank, worker_pid=hang.pid, stacks=stacks)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(hang.pid, signal.SIGKILL)  # a stopped process dies too
-            self.events.record("killed", rank=hang.rank, worker_pid=hang.pid, signal="SIGKILL")
-
-    def _note_round(self) -> None:
-        """A move of the job to a new round means a fault was handled meanwhile (a culprit
-        killed on another node, a crash): ranks here silent with it get the floor to join."""
-        try:
-            prefix = self.culprits.where()
-        except Exception:
-            return
-        if prefix != self._round_seen:
-            if self._round_seen is not None:
-                self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
-            self._round_seen = prefix
-
-    def _awaiting_replacement(self) -> bool:
-        """Whether the rank last killed as a culprit has no new process yet: the ranks
-        blocked with it wait for that one (however long a loaded node takes to start it)."""
-        if self._replacing is None:
-            return False
-        killed, at = self._replacing
-        beat = read(heartbeat_path(self.shm_dir, self.job, killed.rank))
-        if beat is not None and beat.pid != killed.pid:  # the replacement has its page
-            self._replacing = None
-            self._quiet_until = time.monotonic() + self.floor
-            return True
-        if time.monotonic() - at > self._startup:  # never replaced here: judge again
-            self._replacing = None
-            return False
-        return True
-
-    def _jobs_culprit(self, silences: list[Hang], hangs: list[Hang]) -> list[Hang]:
-        """The job's culprit, if it runs here (see ``culprit``); [] while the nodes agree, or
-        when it runs elsewhere."""
-        from .culprit import Suspect
-
-        node = self.culprits.node
-        mine = [Suspect.of(node, h) for h in self._suspects(silences)]
-        try:
-            decided = self.culprits.decide(mine, judged=bool(hangs))
-        except Exception as exc:  # the store out of reach: judge alone, as without it
-            log.warning("the job's culprit cannot be agreed on (%s): judging this node alone",
-                        exc)  # fmt: skip
-            decided = Suspect.of(node, self._culprit(silences)) if hangs else None
-        if decided is None:
-            return []
-        if decided.node != node:
-            # Ranks here were blocked with it: they recover once its replacement joins. Not
-            # judged again before they have had the hang floor to (as on its own node).
-            self._quiet_until = max(self._quiet_until, time.monotonic() + self.floor)
-            return []
-        return [h for h in silences if (h.rank, h.pid) == (decided.rank, decided.pid)]
-
-    def _suspects(self, silences: list[Hang]) -> list[Hang]:
-        """The ranks silent past half the hang floor, whatever their phase's own timeout: a
-        rank hung in ``save()`` (five minutes) is a suspect as soon as the peers blocked on it
-        (thirty seconds) are."""
-        return [h for h in silences if h.silent_s > min(h.timeout_s, self.floor) / 2]
-
-    def _culprit(self, silences: list[Hang]) -> Hang:
-        """Of ranks hung together (one past its timeout, the others silent at least half the
-        floor: blocked in a collective with it, or about to be judged), the likely cause, by
-        the evidence their pages carry (``collectives.likeliest``), within its own phase's
-        budget or not."""
-        from .collectives import likeliest
-
-        return likeliest(self._suspects(silences))
-
-    def _workers(self) -> dict[int, int]:
-        """{rank: pid} of the live workers of this launcher that have a heartbeat page."""
-        me = os.getpid()
-        return {rank: beat.pid for rank, beat in pages(self.shm_dir, self.job)
-                if parent_and_state(beat.pid)[0] == me}  # fmt: skip
 
 
 def claim_job(run_dir: Path, job: str) -> int:
@@ -371,7 +210,7 @@ def _replaced_here(job: str) -> bool:
     """Whether a spare node took this node's ranks while it was lost: then it must not join
     the rendezvous (the job would restart whole for it), and serves as the job's spare."""
     from .inprocess_agent import RecoveringAgent
-    from .spare import was_replaced
+    from .spare_marks import was_replaced
 
     try:
         spare = was_replaced(RecoveringAgent.supervisor.store, config.node_name(), job)
@@ -387,7 +226,137 @@ def _replaced_here(job: str) -> bool:
     return True
 
 
+@dataclass
+class Launch:
+    """What this launcher settled before any worker starts (``settle``), and what it holds
+    until it exits."""
+
+    args: Any  # torchrun's arguments
+    argv: list[str]  # flashckpt-run's, less --spare
+    launch_env: dict[str, str]  # what a spare runs this launcher again with, as a node
+    spare: bool
+    job: str
+    policy: HangPolicy
+    restart_policy: str
+    shm_dir: Path
+    run_dir: Path
+    claim: int  # the job's claim on this node (``claim_job``)
+    events: EventLog
+    controller: InThread | None
+    recovery_store: Any = None  # what ``in_process`` returned: closed on exit
+
+
+def settle(args, argv: list[str], spare: bool, launch_env: dict[str, str]) -> Launch:
+    """Read and check this node's settings, claim the job here, open its event log and serve
+    (or find) the job's controller: all a launcher refuses to start without."""
+    job = job_for(args)
+    policy = HangPolicy.from_env()
+    restart_policy = control.policy()
+    config.check_agent_settings()  # the agent it keeps reads them
+    shm_dir = config.shm_dir()
+    run_dir = private_dir(config.run_dir(), "run_dir")
+    claim = claim_job(run_dir, job)
+    if stale := remove_dead(shm_dir, job):  # the job's only launcher here: none is ours
+        log.info("removed the heartbeat pages of ranks %s, left by an earlier run", stale)
+    events = EventLog(events_path(run_dir, job))
+    several = not (args.standalone or str(args.nnodes) in ("1", "1:1"))
+    if spare and (restart_policy != "in-process" or not several):
+        raise FlashCkptError(
+            "a spare node (--spare, FLASHCKPT_SPARE) takes a lost node's ranks in-process: "
+            "it needs FLASHCKPT_RESTART_POLICY=in-process and a job of several nodes "
+            f"(--nnodes); this one has policy {restart_policy!r}, --nnodes={args.nnodes}"
+        )
+    controller = start_controller(args, job, run_dir, events, serve=not spare)
+    if spare and control.Endpoint.load(run_dir, job) is None:
+        raise FlashCkptError(
+            "a spare node hears of a lost node from the job's controller: set "
+            "FLASHCKPT_CONTROLLER_TOKEN_FILE (or FLASHCKPT_CONTROLLER_TOKEN) as on every node"
+        )
+    if several and control.Endpoint.load(run_dir, job) is not None:
+        # Each node's newest step in another node's memory: a lost node comes back from
+        # there, not from storage. The agent and the workers read it from here.
+        os.environ.setdefault("FLASHCKPT_PEER_REPLICAS", "1")
+        config.peer_replicas()  # a bad value fails here, not in every worker
+    return Launch(args, argv, launch_env, spare, job, policy, restart_policy, shm_dir, run_dir,
+                  claim, events, controller)  # fmt: skip
+
+
+def run_spare(launch: Launch) -> NoReturn:
+    """Serve the job as a spare node (``spare.Spare``) until it ends, then exit with its code."""
+    from .spare import Spare
+
+    began = time.monotonic()
+    run_dir, job = launch.run_dir, launch.job
+    try:
+        code = Spare(launch.args, launch.argv, job, EventLog(launch.events.path),
+                     launch.launch_env, launch.claim).run()  # fmt: skip
+    finally:
+        launch.recovery_store.close()
+        control.file_path(run_dir, job).unlink(missing_ok=True)
+        control.launcher_path(run_dir, job).unlink(missing_ok=True)
+    launch.events.record("launcher_exited", ok=code == 0, seconds=time.monotonic() - began)
+    # Not through the interpreter's teardown: a daemon thread of its watch in a store call
+    # then (the store served elsewhere may be gone) takes the process down with SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_workers(launch: Launch) -> None:
+    """Run this node's workers under TorchElastic, with the node's watchdog and agent keeper,
+    until the job ends here; then give up what the launcher held."""
+    from torch.distributed import run as torchrun
+
+    job, events, inplace = launch.job, launch.events, launch.restart_policy == "in-process"
+    culprits = None
+    if inplace:
+        from .culprit import JobCulprit
+        from .inprocess import STORE_ENV
+        from .inprocess_agent import round_prefix
+
+        culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
+    # Under in-process recovery a hang costs its detection plus a replacement's second: the
+    # pages (a few per node) are read ten times a second.
+    watch = NodeWatch(launch.shm_dir, job, events, launch.policy,
+                      interval=0.1 if inplace else 0.25, one_at_a_time=inplace,
+                      culprits=culprits)  # fmt: skip
+    watch.start()
+    keeper = AgentKeeper(job, launch.run_dir, launch.shm_dir)
+    threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
+                     name="flashckpt-agent-keeper").start()  # fmt: skip
+    started = time.monotonic()
+    try:
+        torchrun.run(launch.args)
+    except BaseException as exc:
+        events.record("launcher_exited", ok=False, error=type(exc).__name__,
+                      seconds=time.monotonic() - started)  # fmt: skip
+        raise
+    finally:
+        watch.stop()
+        clean_up(launch)
+    events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
+
+
+def clean_up(launch: Launch) -> None:
+    """What a launcher that ran its workers holds, given up once they are done: the controller
+    it served, its files in the run directory, its claim on the job and the recovery store."""
+    run_dir, job = launch.run_dir, launch.job
+    if launch.controller is not None:
+        launch.controller.end_job(job)
+        launch.controller.stop()
+    control.file_path(run_dir, job).unlink(missing_ok=True)
+    control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
+    os.close(launch.claim)
+    if launch.recovery_store is not None:
+        launch.recovery_store.close()
+        from .inprocess import ROUND_FILE_ENV
+
+        Path(os.environ[ROUND_FILE_ENV]).unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``flashckpt-run``: torchrun's arguments (and ``--spare``), from the command line when
+    ``argv`` is None."""
     from torch.distributed import run as torchrun
 
     if not logging.getLogger().handlers:
@@ -399,104 +368,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flashckpt-run: {exc}")
     args = torchrun.parse_args(argv)
     try:
-        job = job_for(args)
-        policy = HangPolicy.from_env()
-        restart_policy = control.policy()
-        config.check_agent_settings()  # the agent it keeps reads them
-        shm_dir = config.shm_dir()
-        run_dir = private_dir(config.run_dir(), "run_dir")
-        claim = claim_job(run_dir, job)
-        if stale := remove_dead(shm_dir, job):  # the job's only launcher here: none is ours
-            log.info("removed the heartbeat pages of ranks %s, left by an earlier run", stale)
-        events = EventLog(events_path(run_dir, job))
-        several = not (args.standalone or str(args.nnodes) in ("1", "1:1"))
-        if spare and (restart_policy != "in-process" or not several):
-            raise FlashCkptError(
-                "a spare node (--spare, FLASHCKPT_SPARE) takes a lost node's ranks in-process: "
-                "it needs FLASHCKPT_RESTART_POLICY=in-process and a job of several nodes "
-                f"(--nnodes); this one has policy {restart_policy!r}, --nnodes={args.nnodes}"
-            )
-        controller = start_controller(args, job, run_dir, events, serve=not spare)
-        if spare and control.Endpoint.load(run_dir, job) is None:
-            raise FlashCkptError(
-                "a spare node hears of a lost node from the job's controller: set "
-                "FLASHCKPT_CONTROLLER_TOKEN_FILE (or FLASHCKPT_CONTROLLER_TOKEN) as on every node"
-            )
-        if several and control.Endpoint.load(run_dir, job) is not None:
-            # Each node's newest step in another node's memory: a lost node comes back from
-            # there, not from storage. The agent and the workers read it from here.
-            os.environ.setdefault("FLASHCKPT_PEER_REPLICAS", "1")
-            config.peer_replicas()  # a bad value fails here, not in every worker
+        launch = settle(args, argv, spare, launch_env)
     except FlashCkptError as exc:
         sys.exit(f"flashckpt-run: {exc}")
     # A fresh store per rendezvous round: rank 0 of the workers hosts it on a new port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    recovery_store = None
-    if restart_policy == "in-process":
+    if launch.restart_policy == "in-process":
         try:
-            recovery_store = in_process(args, events, shm_dir, job, controller is not None)
+            launch.recovery_store = in_process(args, launch.events, launch.shm_dir, launch.job,
+                                               launch.controller is not None)  # fmt: skip
         except FlashCkptError as exc:
             sys.exit(f"flashckpt-run: {exc}")
-    if recovery_store is not None and not spare:
-        spare = _replaced_here(job)
-    os.environ["FLASHCKPT_JOB"] = job
-    os.environ[EVENTS_ENV] = str(events.path)
-    log.info("job %s; event log %s", job, events.path)
-    events.record("launcher_started", job=job, argv=argv, hang_policy=policy.__dict__,
-                  spare=spare)  # fmt: skip
-    if spare:
-        from .spare import Spare
-
-        began = time.monotonic()
-        try:
-            code = Spare(args, argv, job, EventLog(events.path), launch_env, claim).run()
-        finally:
-            recovery_store.close()
-            control.file_path(run_dir, job).unlink(missing_ok=True)
-            control.launcher_path(run_dir, job).unlink(missing_ok=True)
-        events.record("launcher_exited", ok=code == 0, seconds=time.monotonic() - began)
-        # Not through the interpreter's teardown: a daemon thread of its watch in a store call
-        # then (the store served elsewhere may be gone) takes the process down with SIGABRT.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    culprits = None
-    if restart_policy == "in-process":
-        from .culprit import JobCulprit
-        from .inprocess import STORE_ENV
-        from .inprocess_agent import round_prefix
-
-        culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
-    # Under in-process recovery a hang costs its detection plus a replacement's second: the
-    # pages (a few per node) are read ten times a second.
-    inplace = restart_policy == "in-process"
-    watch = NodeWatch(shm_dir, job, events, policy, interval=0.1 if inplace else 0.25,
-                      one_at_a_time=inplace, culprits=culprits)  # fmt: skip
-    watch.start()
-    keeper = AgentKeeper(job, run_dir, shm_dir)
-    threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
-                     name="flashckpt-agent-keeper").start()  # fmt: skip
-    started = time.monotonic()
-    try:
-        torchrun.run(args)
-    except BaseException as exc:
-        events.record("launcher_exited", ok=False, error=type(exc).__name__,
-                      seconds=time.monotonic() - started)  # fmt: skip
-        raise
-    finally:
-        watch.stop()
-        if controller is not None:
-            controller.end_job(job)
-            controller.stop()
-        control.file_path(run_dir, job).unlink(missing_ok=True)
-        control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
-        os.close(claim)
-        if recovery_store is not None:
-            recovery_store.close()
-            from .inprocess import ROUND_FILE_ENV
-
-            Path(os.environ[ROUND_FILE_ENV]).unlink(missing_ok=True)
-    events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
+    if launch.recovery_store is not None and not launch.spare:
+        launch.spare = _replaced_here(launch.job)
+    os.environ["FLASHCKPT_JOB"] = launch.job
+    os.environ[EVENTS_ENV] = str(launch.events.path)
+    log.info("job %s; event log %s", launch.job, launch.events.path)
+    launch.events.record("launcher_started", job=launch.job, argv=argv,
+                         hang_policy=launch.policy.__dict__, spare=launch.spare)  # fmt: skip
+    if launch.spare:
+        run_spare(launch)
+    run_workers(launch)
 
 
 if __name__ == "__main__":

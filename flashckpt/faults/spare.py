@@ -9,25 +9,31 @@ spare to take that node instead of killing the job's workers (``Controller._spar
 spare then:
 
 - reads what the lost node's launcher published when its worker group started (the round
-  namespace, the script's arguments, each rank's launch variables: ``publish_node``);
+  namespace, the script's arguments, each rank's launch variables: ``spare_marks.publish_node``);
 - marks the node taken, then moves the job to the next round, as a launcher does for a lost
-  worker. The mark belongs to the job's current run (``run_started``): the node's own launcher,
-  if it still runs, finds it and stops its workers, and a lost node that comes back finds it
-  and serves as the job's spare instead. It is void once the run ends (the job restarts whole,
-  ``run_ended``) and removed when the spare gives the node up, so that the node can rejoin;
+  worker. The mark belongs to the job's current run (``spare_marks.run_started``): the node's
+  own launcher, if it still runs, finds it and stops its workers, and a lost node that comes
+  back finds it and serves as the job's spare instead. It is void once the run ends (the job
+  restarts whole, ``spare_marks.run_ended``) and removed when the spare gives the node up, so
+  that the node can rejoin;
 - hands each of the node's ranks to a warm standby, as that node (``FLASHCKPT_NODE``: its
   replicas, its commits and its place in the job are the node's), with the spare's own shared
   memory, run directory and tiers. The healthy ranks have left their round (their collectives
   failed with the node's connections, or their round watch saw the round move) and wait in
   the next one; the spare's ranks join it, restore (the lost node's replica from its peer's
   memory, else storage) and every rank agrees on the newest step all of them can read;
-- runs the node from then on as its launcher would (watchdog, agent, a standby for the next
-  lost rank), and records ``node_replaced_in_process`` with the time of each phase.
+- runs the node from then on as its launcher would (the watchdog, ``node_watch``; the agent; a
+  standby for the next lost rank), and records ``node_replaced_in_process`` with the time of
+  each phase.
 
 Where it cannot go on (the lost node never published its workers, no standby is left, the round
 does not form in time) its ranks give up like any others, and the spare becomes the lost node's
 launcher (it runs ``flashckpt-run`` again without ``--spare``, as that node), so that the job's
 full restart finds every node it waits for.
+
+The marks the spare and the launchers leave in the job's recovery store, and why, are in
+``spare_marks``; this module is the spare's own life (``Spare``) and ``flashckpt-run``'s
+``--spare`` flag (``split_flag``).
 """
 
 from __future__ import annotations
@@ -47,17 +53,17 @@ from typing import Any
 from .. import config
 from ..errors import FlashCkptError
 from .events import EventLog, read_events
+from .node_watch import NodeWatch
+from .spare_marks import current_run, mark_replaced, node_key, unmark_replaced
 
 log = logging.getLogger(__name__)
 
 ENV = "FLASHCKPT_SPARE"
 FLAG = "--spare"
-# What a rank's launch variables carry that belongs to the node that launched it.
-NODE_OWN = frozenset({"TORCHELASTIC_ERROR_FILE"})
 ORPHAN_S = 600.0  # a spare whose controller is silent this long exits: the job is gone
-AGENT_START_S = 5.0
-DEADLINE_MARGIN_S = 5.0
-EXIT_BARRIER_S = 300.0  # as TorchElastic's: how long a finished node waits for the others  # a lost node's hand-over and its ranks' start, in the recovery deadline  # the warm agent's time to answer before the keeper looks after it
+AGENT_START_S = 5.0  # the warm agent's time to answer before the keeper looks after it
+DEADLINE_MARGIN_S = 5.0  # a lost node's hand-over and its ranks' start, in the recovery deadline
+EXIT_BARRIER_S = 300.0  # as TorchElastic's: how long a finished node waits for the others
 
 
 def split_flag(argv: list[str]) -> tuple[list[str], bool]:
@@ -71,78 +77,6 @@ def split_flag(argv: list[str]) -> tuple[list[str], bool]:
     flagged = FLAG in argv[:end]
     kept = [a for i, a in enumerate(argv) if not (a == FLAG and i < end)]
     return kept, flagged or config.setting_bool("spare", None, False)
-
-
-def node_key(node: str) -> str:
-    return f"flashckpt/nodes/{node}"
-
-
-def job_key(job: str, name: str) -> str:
-    """A key of the job's own in the recovery store (a controller's store may serve several
-    jobs, whose node names can be the same)."""
-    return f"flashckpt/jobs/{job}/{name}"
-
-
-def replaced_key(job: str, node: str) -> str:
-    return job_key(job, f"replaced/{node}")
-
-
-def run_key(job: str) -> str:
-    return job_key(job, "run")
-
-
-def run_started(store: Any, job: str, ns: str) -> None:
-    """The job's current run is the worker group of namespace ``ns`` (every node's launcher
-    says so when its workers start): marks of earlier runs are void from now on."""
-    store.set(run_key(job), ns)
-
-
-def run_ended(store: Any, job: str, ns: str) -> None:
-    """The run of namespace ``ns`` is over (the job restarts whole): its marks are void, so a
-    node a spare took rejoins the restart under its own name. A later run is left alone."""
-    store.compare_set(run_key(job), ns, "")
-
-
-def current_run(store: Any, job: str) -> str:
-    key = run_key(job)
-    return store.get(key).decode() if store.check([key]) else ""
-
-
-def mark_replaced(store: Any, job: str, node: str, spare: str, ns: str) -> None:
-    """Spare ``spare`` takes ``node``'s ranks in the run of namespace ``ns``."""
-    store.set(replaced_key(job, node), json.dumps({"spare": spare, "ns": ns}))
-
-
-def unmark_replaced(store: Any, job: str, node: str, spare: str) -> None:
-    """``spare`` gives ``node`` up: the node may rejoin (another spare's mark is left)."""
-    key = replaced_key(job, node)
-    if store.check([key]) and json.loads(store.get(key).decode()).get("spare") == spare:
-        store.delete_key(key)
-
-
-def publish_node(store: Any, node: str, ns: str, args: list[str], world: int,
-                 ranks: dict[int, dict[str, str]]) -> None:  # fmt: skip
-    """What a spare needs to take this node's ranks: the round namespace, the script's
-    arguments and each rank's launch variables (``ranks``: global rank -> what TorchElastic set
-    for it), in the job's recovery store."""
-    record = {"ns": ns, "args": list(args), "world": world,
-              "ranks": {str(r): {k: v for k, v in env.items() if k not in NODE_OWN}
-                        for r, env in ranks.items()}}  # fmt: skip
-    store.set(node_key(node), json.dumps(record))
-
-
-def was_replaced(store: Any, node: str, job: str | None = None) -> str | None:
-    """The spare that took ``node``'s ranks in the job's current run, if one did and has not
-    given them up. ``job``: this launcher's (FLASHCKPT_JOB, else its event log's)."""
-    if job is None:
-        from .inprocess_agent import RecoveringAgent
-
-        job = os.environ.get("FLASHCKPT_JOB") or RecoveringAgent.supervisor.job
-    key = replaced_key(job, node)
-    if not store.check([key]):
-        return None
-    mark = json.loads(store.get(key).decode())
-    return mark["spare"] if mark.get("ns") == current_run(store, job) else None
 
 
 async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event,
@@ -368,7 +302,6 @@ class Spare:
         from .hang import HangPolicy
         from .inprocess import STORE_ENV
         from .inprocess_agent import round_prefix
-        from .launcher import NodeWatch
 
         culprits = JobCulprit.connect(os.environ[STORE_ENV], lost, round_prefix)
         watch = NodeWatch(self.shm_dir, self.job, self.events, HangPolicy.from_env(),
