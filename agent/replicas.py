@@ -222,7 +222,7 @@ class ReplicaStore:
         try:
             node = await self._admit(reader, writer, peer)
             if node is not None:
-                wire.keep_alive(writer.get_extra_info("socket"))
+                wire.keep_alive(writer.get_extra_info("socket"), send_s=wire.BULK_SEND_S)
                 await self._requests(node, reader, writer)
         except (wire.WireError, asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             log.debug("replica connection ended: %s", exc)

@@ -218,21 +218,26 @@ async def read_frame(reader: Any, limit: int = MAX_HEADER) -> dict:
 
 # ---- connections ----------------------------------------------------------------------------
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 3, 1, 3
+BULK_SEND_S = 30.0  # a replica's transfer: see keep_alive
 
 
 def keep_alive(sock: socket.socket | None, idle: int = KEEPALIVE_IDLE_S,
-               interval: int = KEEPALIVE_INTERVAL_S, count: int = KEEPALIVE_COUNT) -> None:  # fmt: skip
+               interval: int = KEEPALIVE_INTERVAL_S, count: int = KEEPALIVE_COUNT,
+               send_s: float | None = None) -> None:  # fmt: skip
     """TCP keepalive and a send deadline on ``sock``: a peer that lost power, or was cut off
-    the network, is noticed within about ``idle + interval * count`` seconds (6 by default),
-    whether the connection is idle (keepalive probes go unanswered) or has data in flight
-    (``TCP_USER_TIMEOUT``: unacknowledged that long, it fails), not after the kernel's two
-    hours or its fifteen minutes of retransmissions."""
+    the network, is noticed within about ``idle + interval * count`` seconds (6 by default)
+    when the connection is idle (keepalive probes go unanswered), and within ``send_s`` (the
+    same by default) when it has data in flight (``TCP_USER_TIMEOUT``: unacknowledged that
+    long, or a window kept shut that long, it fails), not after the kernel's two hours or its
+    fifteen minutes of retransmissions. Bulk transfers give ``send_s`` more room: a busy
+    receiver may leave its window shut for a few seconds."""
     if sock is None:
         return
+    send_s = idle + interval * count if send_s is None else send_s
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
                         ("TCP_KEEPCNT", count),
-                        ("TCP_USER_TIMEOUT", 1000 * (idle + interval * count))):  # fmt: skip
+                        ("TCP_USER_TIMEOUT", int(1000 * send_s))):  # fmt: skip
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 

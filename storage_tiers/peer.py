@@ -223,7 +223,7 @@ class PeerTier(Tier):
         try:
             sock.settimeout(wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.keep_alive(sock)
+            wire.keep_alive(sock, send_s=wire.BULK_SEND_S)
             contexts = wire.tls_contexts()
             if contexts is not None:
                 try:
