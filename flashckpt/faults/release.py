@@ -33,19 +33,12 @@ _PROC_FD = "/proc/self/fd"
 
 def sockets() -> dict[int, int]:
     """This process's sockets: inode -> file descriptor."""
-    out: dict[int, int] = {}
     try:
         fds = os.listdir(_PROC_FD)
     except OSError:
-        return out
-    for fd in fds:
-        try:
-            target = os.readlink(f"{_PROC_FD}/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:[") and target.endswith("]"):
-            out[int(target[8:-1])] = int(fd)
-    return out
+        return {}
+    found = ((_inode(int(fd)), int(fd)) for fd in fds)
+    return {inode: fd for inode, fd in found if inode is not None}
 
 
 def tcp_table() -> dict[int, tuple[str, int]]:
@@ -74,7 +67,6 @@ class Connections:
     def __init__(self, keep_ports: set[int] | frozenset[int] = frozenset()):
         self.keep_ports = frozenset(keep_ports)
         self.before: set[int] = set()
-        self.cut_count = 0
 
     def begin(self) -> None:
         """The round begins to form: what exists now is never cut."""
@@ -109,13 +101,13 @@ class Connections:
                 log.debug("shutdown of fd %d: %s", fd, exc)
             finally:
                 sock.detach()
-        self.cut_count += count
         return count
 
 
 def _inode(fd: int) -> int | None:
+    """The inode of the socket ``fd`` is; None if it is none (or closed meanwhile)."""
     try:
         target = os.readlink(f"{_PROC_FD}/{fd}")
     except OSError:
         return None
-    return int(target[8:-1]) if target.startswith("socket:[") else None
+    return int(target[8:-1]) if target.startswith("socket:[") and target.endswith("]") else None
