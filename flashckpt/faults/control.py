@@ -180,8 +180,6 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_time_between_pings_ms", KEEPALIVE_MS),
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS),
     # Any ping unanswered this long fails the channel (the bandwidth probe's too, 60 s by
     # default: a keepalive is not sent while it is outstanding).
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
