@@ -13,8 +13,10 @@ snapshot every step). Each case runs ``--rounds`` times under both restart polic
   every node, as a real job sets it: the other node's ranks, blocked on it, fall silent too,
   and the nodes agree on one culprit);
 - raise: rank 2's training function raises after step 20;
-- sleep: rank 3 sleeps for an hour after step 20 (alive, no progress), and spin: rank 1 spins
-  in a Python loop that never returns (``--cases`` picks them);
+- sleep: rank 3 sleeps for an hour after step 20 (alive, no progress), spin: rank 1 spins
+  in a Python loop that never returns, and save: rank 3 hangs inside its ``save()`` of step 21
+  (its own phase's timeout is five minutes; its peers wait in step 22's all-reduce, judged at
+  the floor) (``--cases`` picks them);
 
 With ``--repeat N``, instead: every case N times in-process, and how many runs passed (the job
 finished in-process, only the faulty rank replaced, the weights equal to an undisturbed run's)
@@ -63,8 +65,8 @@ from ports import free_port, free_port_pair  # noqa: E402  (tests/ holds the job
 
 FAULTS = {"kill": f"kill:1:{FAULT_STEP}", "hang": f"stop:3:{FAULT_STEP}",
           "raise": f"raise:2:{FAULT_STEP}", "sleep": f"sleep:3:{FAULT_STEP}",
-          "spin": f"spin:1:{FAULT_STEP}"}  # fmt: skip
-HUNG = {"hang": 3, "sleep": 3, "spin": 1}  # the rank that must be the one killed
+          "spin": f"spin:1:{FAULT_STEP}", "save": f"savehang:3:{FAULT_STEP}"}  # fmt: skip
+HUNG = {"hang": 3, "sleep": 3, "spin": 1, "save": 3}  # the rank that must be the one killed
 
 
 def two_nodes(launcher: str, tmp: Path, timeout: float, node_env: tuple[dict, dict] = ({}, {}),
@@ -173,6 +175,7 @@ def repeat(args: argparse.Namespace, tmp: Path) -> None:
           f"every node, {args.repeat} runs a case (seconds from the fault until every rank "
           "trained again)")  # fmt: skip
     print(f"{'case':<7}{'passed':>8}{'p50':>8}{'p90':>8}{'max':>8}  failures")
+    logs_of: list[Path] = []  # the failed runs' event logs
     for case in args.cases.split(","):
         times, failed = [], []
         for _ in range(args.repeat):
@@ -194,6 +197,7 @@ def repeat(args: argparse.Namespace, tmp: Path) -> None:
                 why = f"killed ranks {killed}, not [{HUNG[case]}]"
             if why:
                 failed.append(why)
+                logs_of.extend(logs)
             else:
                 times.append(failures[0].detect_s + failures[0].resume_s)
         q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
@@ -201,6 +205,10 @@ def repeat(args: argparse.Namespace, tmp: Path) -> None:
             times) else ("-", "-", "-")  # fmt: skip
         print(f"{case:<7}{len(times):>5}/{args.repeat:<2}" + "".join(f"{c:>8}" for c in cells)
               + f"  {'; '.join(failed) or '-'}", flush=True)  # fmt: skip
+    if logs_of:
+        print(f"the failed runs' logs: {', '.join(sorted({str(p.parent) for p in logs_of}))}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def torchrun_kill(tmp: Path, timeout: float) -> str:
@@ -272,10 +280,7 @@ def main() -> None:
         cases = ["kill"]
     tmp = Path(tempfile.mkdtemp(prefix="fc-recovery-"))
     if args.repeat:
-        try:
-            return repeat(args, tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return repeat(args, tmp)  # its directory removed unless a run failed
     if args.effective:
         try:
             return effective(args, tmp)

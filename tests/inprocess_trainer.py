@@ -3,7 +3,9 @@
 The model, data and steps are ``ft_trainer``'s, so a run ends bit-identical to its undisturbed
 one. ``FT_FAULTS``: ``kind:rank:step`` items, comma-separated, each injected once per job (a
 marker in ``FT_MARKS``) right after that rank saves that step: ``kill`` (SIGKILL), ``stop``
-(SIGSTOP), ``raise`` (a Python exception in that rank's training function), ``pause``
+(SIGSTOP), ``raise`` (a Python exception in that rank's training function), ``savehang`` (the
+rank's next ``save()`` never returns: it hangs inside it, in the heartbeat's save phase), ``mark``
+(the marker alone: the test knows the rank got there), ``pause``
 (``ft_trainer``'s: the step in every tier of ``FT_TIERS`` or ``FT_WAIT_TIERS``, then sleep);
 and
 ``recurring-raise``, raised at that step and every one after (worded as NCCL words its own
@@ -101,6 +103,9 @@ def inject(rank: int, step: int, planned: dict, ckpt: Checkpointer | None = None
     elif kind == "spin":  # alive and busy in a Python loop that never returns
         while True:
             pass
+    elif kind == "savehang" and ckpt is not None:  # the next save() hangs inside, phase "save"
+        real = ckpt._snapshot
+        ckpt._snapshot = lambda *a, **k: time.sleep(3600) or real(*a, **k)
     elif kind == "pause" and ckpt is not None:  # as ft_trainer's: the test takes the node
         for tier in wait_tiers(ckpt.tiers):
             ckpt.wait(step, tier=tier, timeout=60)

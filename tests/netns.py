@@ -8,13 +8,19 @@ interface ``eth0`` at ``address(i)`` in a /24 of 10.213.0.0/16, cabled to the sw
 pair. ``popen(i, argv, ...)`` runs a process in host ``i`` (through ``nsenter``: only the
 network namespace changes; files, shared memory, pids and the environment are the machine's).
 
-Faults, each silent to the other hosts (no FIN, no RST, no ICMP: frames are dropped):
+``Hosts(n, networks=2)`` gives every host a second network, as real clusters have a
+management network and a training fabric: interface ``eth1`` at ``address(i, TRAINING)`` on a
+second switch. ``training_iface`` names the interface the collectives use (``GLOO_SOCKET_IFNAME``
+on every host); the rendezvous, the controller and the recovery store use ``address(i)``.
 
-- ``unplug(i)``: the switch's port of host ``i`` goes down: the cable pulled (the host sees its
-  carrier gone);
-- ``partition(i)``: the switch disables that port and drops its frames both ways while both
-  links stay up: the host sees nothing wrong and its TCP retransmits until ``heal``;
-- ``heal(i)``: the port forwards again; TCP data queued meanwhile arrives then.
+Faults, each silent to the other hosts (no FIN, no RST, no ICMP: frames are dropped), on every
+network of host ``i``, or on one (``net``: ``MANAGEMENT`` or ``TRAINING``):
+
+- ``unplug(i, net=None)``: the switch's port of host ``i`` goes down: the cable pulled (the host
+  sees its carrier gone);
+- ``partition(i, net=None)``: the switch disables that port and drops its frames both ways while
+  both links stay up: the host sees nothing wrong and its TCP retransmits until ``heal``;
+- ``heal(i)``: every port of the host forwards again; TCP data queued meanwhile arrives then.
 
 Everything is named ``fcnt-<pid>-<tag>-...`` (``<pid>``: the test process); ``close()`` kills
 the processes left in its namespaces and removes them, and a new ``Hosts`` first removes what
@@ -36,7 +42,9 @@ from collections.abc import Sequence
 
 PREFIX = "fcnt"
 IFACE = "eth0"
-"""Every host's interface to the switch (GLOO_SOCKET_IFNAME on every host alike)."""
+"""Every host's interface to the (first) switch."""
+MANAGEMENT, TRAINING = 0, 1
+"""The networks of ``Hosts(n, networks=2)``: ``IFACE`` on the first, ``eth1`` on the second."""
 _NAME = re.compile(rf"{PREFIX}-(\d+)-[0-9a-f]+-(?:sw|h\d+)")
 _CMD_S = 10.0  # an ``ip`` call that takes longer than this is stuck
 
@@ -100,8 +108,10 @@ def sweep() -> list[str]:
 class Hosts:
     """``count`` simulated hosts on one switch (see the module doc)."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, networks: int = 1):
         sweep()
+        assert networks in (1, 2), networks
+        self.networks = networks
         tag = secrets.token_hex(3)
         self.base = f"{PREFIX}-{os.getpid()}-{tag}"
         self.subnet = 1 + int(tag, 16) % 254  # 10.213.<subnet>.0/24: any is isolated here
@@ -118,16 +128,19 @@ class Hosts:
         _ip("ip", "netns", "add", self.switch)
         self._made.append(self.switch)
         sw = ("ip", "-n", self.switch)
-        _ip(*sw, "link", "add", "sw0", "type", "bridge")  # STP off: ports forward at once
-        _ip(*sw, "link", "set", "sw0", "up")
+        for net in range(self.networks):
+            _ip(*sw, "link", "add", f"sw{net}", "type", "bridge")  # STP off: ports forward at once
+            _ip(*sw, "link", "set", f"sw{net}", "up")
         for i, ns in enumerate(self.names):
             _ip("ip", "netns", "add", ns)
             self._made.append(ns)
-            _ip("ip", "link", "add", self.port(i), "netns", self.switch, "type", "veth", "peer",
-                "name", IFACE, "netns", ns)  # fmt: skip
-            _ip(*sw, "link", "set", self.port(i), "master", "sw0", "up")
-            _ip("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE)
-            _ip("ip", "-n", ns, "link", "set", IFACE, "up")
+            for net in range(self.networks):
+                iface = f"eth{net}"
+                _ip("ip", "link", "add", self.port(i, net), "netns", self.switch, "type", "veth",
+                    "peer", "name", iface, "netns", ns)  # fmt: skip
+                _ip(*sw, "link", "set", self.port(i, net), "master", f"sw{net}", "up")
+                _ip("ip", "-n", ns, "addr", "add", f"{self.address(i, net)}/24", "dev", iface)
+                _ip("ip", "-n", ns, "link", "set", iface, "up")
             _ip("ip", "-n", ns, "link", "set", "lo", "up")
 
     def __len__(self) -> int:
@@ -139,15 +152,24 @@ class Hosts:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def address(self, i: int) -> str:
-        """Host ``i``'s address: .11 up, so that every host's sorts as its number does (torch's
-        rendezvous orders nodes by address)."""
-        return f"10.213.{self.subnet}.{11 + i}"
+    def address(self, i: int, net: int = MANAGEMENT) -> str:
+        """Host ``i``'s address on network ``net``: .11 up, so that every host's sorts as its
+        number does (torch's rendezvous orders nodes by address)."""
+        return f"10.{213 + net}.{self.subnet}.{11 + i}"
+
+    @property
+    def training_iface(self) -> str:
+        """The interface the hosts' collectives use: the training network's, where there is one."""
+        return f"eth{self.networks - 1}"
 
     @staticmethod
-    def port(i: int) -> str:
-        """The switch's port of host ``i`` (an interface of the switch's namespace)."""
-        return f"p{i}"
+    def port(i: int, net: int = MANAGEMENT) -> str:
+        """The switch's port of host ``i`` on network ``net`` (an interface of the switch's
+        namespace)."""
+        return f"{'pd'[net]}{i}"
+
+    def _ports(self, i: int, net: int | None) -> list[str]:
+        return [self.port(i, n) for n in range(self.networks) if net is None or n == net]
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run in host ``i``: nsenter execs it, so its pid is the process's own."""
@@ -166,16 +188,19 @@ class Hosts:
         out = _ip("ip", "netns", "pids", self.names[i], check=False).stdout
         return [int(p) for p in out.split()]
 
-    def unplug(self, i: int) -> None:
-        _ip("ip", "-n", self.switch, "link", "set", self.port(i), "down")
+    def unplug(self, i: int, net: int | None = None) -> None:
+        for port in self._ports(i, net):
+            _ip("ip", "-n", self.switch, "link", "set", port, "down")
 
-    def partition(self, i: int) -> None:
-        _ip("bridge", "-n", self.switch, "link", "set", "dev", self.port(i), "state", "0")
+    def partition(self, i: int, net: int | None = None) -> None:
+        for port in self._ports(i, net):
+            _ip("bridge", "-n", self.switch, "link", "set", "dev", port, "state", "0")
 
     def heal(self, i: int) -> None:
-        """Undo ``unplug`` and ``partition``: the port up and forwarding."""
-        _ip("ip", "-n", self.switch, "link", "set", self.port(i), "up")
-        _ip("bridge", "-n", self.switch, "link", "set", "dev", self.port(i), "state", "3")
+        """Undo ``unplug`` and ``partition``: every port of the host up and forwarding."""
+        for port in self._ports(i, None):
+            _ip("ip", "-n", self.switch, "link", "set", port, "up")
+            _ip("bridge", "-n", self.switch, "link", "set", "dev", port, "state", "3")
 
     def close(self) -> None:
         """Kill every process left in the hosts and remove them and the switch."""

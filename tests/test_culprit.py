@@ -200,3 +200,65 @@ def test_without_evidence_of_who_waits_for_whom_only_one_cause_is_named():
         assert n0.decide([two[0]], judged=True) == [two[1]]
     finally:
         served.close()
+
+
+def test_a_node_cut_off_the_training_network_is_the_culprit_whole_and_leaves(tmp_path):
+    """Every rank stalls when node 1's training network fails. Node 0 probes the training
+    network (``reach``): it reaches node 2 (a spare's listener) and not node 1; node 1 posted
+    that it reached nobody. The job's culprit is node 1, whole: its watch calls ``leave``
+    and kills no rank, and node 0's kills nothing."""
+    import json
+    import socket
+
+    from flashckpt.faults import reach
+
+    served, (n0, n1), _ = nodes(settle=0.0)
+    spare, gone = reach.Reach("127.0.0.1"), socket.create_server(("127.0.0.1", 0))
+    n0.reach = reach.Reach("127.0.0.1")
+    try:
+        store = n0.store
+        n0.reach.publish(store, "node0")
+        spare.publish(store, "node2")
+        store.set(reach.key("node1"), f"127.0.0.1:{gone.getsockname()[1]}")  # answers no more
+        store.append(reach.NAMES, '"node1"\n')
+        gone.close()
+        store.set(f"{PREFIX}/reach/node1", json.dumps({"node0": False, "node2": False}))
+        left: list[str] = []
+        w0, w1 = watches(tmp_path, [n0, n1])
+        w1.leave = left.append
+        assert w1._jobs_culprit([hang(2, 1.6), hang(3, 1.6)], []) == []  # posted, not judged
+        assert w0._jobs_culprit([hang(0, 3.5), hang(1, 3.5)], [hang(0, 3.5)]) == []
+        decided = n1.decide([], judged=False)
+        assert ranks(decided) == [("node1", 2), ("node1", 3)] and all(d.cut_off for d in decided)
+        assert json.loads(store.get(f"{PREFIX}/reach/node0")) == {"node1": False, "node2": True}
+        assert w1._jobs_culprit([hang(2, 4.0)], [hang(2, 4.0)]) == [] and len(left) == 1
+        assert "training network" in left[0]
+    finally:
+        for r in (spare, n0.reach):
+            r.close()
+        served.close()
+
+
+def test_a_judge_that_reached_nobody_waits_for_the_word_of_those_it_could_not_reach():
+    """Node 1 is cut off and judges first: it reached none of the nodes it probed, and they
+    have not posted yet. It names nobody for up to ``REACH_WAIT_S`` (it may be the one cut
+    off), and then, still without their word, judges the ranks as before."""
+    import json
+
+    from flashckpt.faults import culprit, reach
+
+    served, (n0, n1), _ = nodes(settle=0.0)
+    n1.reach = reach.Reach("127.0.0.1")
+    try:
+        store = n1.store
+        n1.reach.publish(store, "node1")
+        store.set(reach.key("node0"), "127.0.0.1:1")  # nothing listens on port 1
+        store.append(reach.NAMES, '"node0"\n')
+        mine = [suspect("node1", 2, ago=3.5)]
+        assert n1.decide(mine, judged=True) == []
+        assert json.loads(store.get(f"{PREFIX}/reach/node1")) == {"node0": False}
+        n1._posted[PREFIX] = (time.monotonic() - culprit.REACH_WAIT_S, n1._posted[PREFIX][1])
+        assert ranks(n1.decide(mine, judged=True)) == [("node1", 2)]  # two nodes: no verdict
+    finally:
+        n1.reach.close()
+        served.close()

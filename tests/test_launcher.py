@@ -116,9 +116,7 @@ class Cluster:
         spare = ["--spare"] if node >= self.n - self.spares else []
         own = []
         if self.hosts is not None:
-            from netns import IFACE
-
-            full["GLOO_SOCKET_IFNAME"] = IFACE
+            full["GLOO_SOCKET_IFNAME"] = self.hosts.training_iface
             own = [f"--rdzv-conf=is_host={int(node == 0)}"]
         cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
                f"--nproc-per-node={self.per_node}", "--rdzv-backend=c10d",

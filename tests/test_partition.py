@@ -84,8 +84,8 @@ def hosts(request):
         pytest.skip(why)
     made: list[netns.Hosts] = []
 
-    def make(count: int) -> netns.Hosts:
-        made.append(netns.Hosts(count))
+    def make(count: int, networks: int = 1) -> netns.Hosts:
+        made.append(netns.Hosts(count, networks))
         return made[-1]
 
     try:
@@ -316,3 +316,120 @@ def test_a_host_that_loses_power_is_taken_by_the_spare_and_the_others_keep_their
     back = first_step_after(run.events[2], cut)
     assert back is not None, explain(run)
     print(f"unplugged, then killed -> every rank trained again: {back - cut:.2f}s")
+
+
+def start_until_step(cluster, rank: int, step: int) -> None:
+    """Node 0, the spare until its standbys are warm, then node 1, until ``rank`` saved
+    ``step`` (its ``mark`` fault: a mark file and nothing else)."""
+
+    def until(what, timeout: float) -> None:
+        if not poll(what, timeout, 0.05):
+            cluster.close()
+            raise AssertionError(explain(cluster.finish(1)))
+
+    cluster.start(0)
+    until(lambda: (cluster.run_dirs[0] / f"{cluster.job}.controller").exists(), 60)
+    cluster.start(2)
+    until(lambda: any(e["kind"] == "spare_ready" for e in cluster.events(2)), 180)
+    cluster.start(1)
+    until(lambda: (cluster.marks / f"mark-{rank}-{step}").exists(), 180)
+
+
+def one_net_cluster(h, tmp_path, name: str):
+    """2 nodes x 2 gloo ranks and a spare, in-process recovery, hang floor and node timeout
+    3 s, steps of 0.3 s (the job still trains when a fault strikes after step 12)."""
+    return spare_cluster(tmp_path, name, hosts=h, FT_FAULTS="mark:2:12", FT_STEP_S="0.3",
+                         FLASHCKPT_HANG_FLOOR="3")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_a_host_cut_off_the_training_network_leaves_and_the_spare_takes_it(hosts, tmp_path,
+                                                                          reference):  # fmt: skip
+    """Two networks a host, as real clusters have: node 1's training network fails after step
+    12 while its management network, agent and launcher are healthy. Every rank stalls in its
+    collective; the nodes' probes of the training network (``reach``) find node 1 cut off: it
+    is the culprit, whole, and it leaves the job (exit 78) instead of having a rank replaced
+    by a standby that would stall again. The spare takes it; node 0's ranks keep their
+    processes; the job ends bit-identical."""
+    h = hosts(3, networks=2)
+    cluster = one_net_cluster(h, tmp_path, "cutoff")
+    try:
+        start_until_step(cluster, 2, 12)
+        cut = time.time()
+        h.unplug(1, netns.TRAINING)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish(240)
+    from flashckpt.faults.reach import EXIT_CUT_OFF
+
+    assert run.codes == [0, EXIT_CUT_OFF, 0], explain(run)
+    left = [e for e in run.events[1] if e["kind"] == "node_cut_off"]
+    assert left and left[0]["node"] == "node1", explain(run)
+    killed = [e for ev in run.events for e in ev if e["kind"] == "killed" and e["time"] > cut]
+    assert not killed, killed  # no rank replaced as hung: the node left whole
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
+    fallbacks = [e for ev in run.events for e in ev if e["kind"] == "inprocess_fallback"]
+    assert not fallbacks, (fallbacks, explain(run))
+    for rank in (0, 1):
+        assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
+    taken = restores(run.events[2])
+    assert sorted(taken) == [2, 3] and {e["step"] for e in taken.values()} != {None}, taken
+    assert run.digest == reference
+    back = first_step_after(run.events[2], cut)
+    print(f"training network cut -> node 1 left after {left[0]['time'] - cut:.2f}s, every rank "
+          f"trained again after {back - cut:.2f}s")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_a_host_cut_off_the_management_network_is_fenced_and_the_spare_takes_it(
+    hosts, tmp_path, reference
+):
+    """Two networks a host: node 1's management network fails after step 12 (the controller,
+    the rendezvous and the recovery store out of its reach) while its training network works
+    and its ranks still train with node 0's. The controller finds node 1 lost and the spare
+    takes it; node 0's ranks leave node 1's behind in the old round (its connections shut
+    down by their round watch). Node 1's own processes end, none lands a commit in the shared
+    tier after it was found lost, no round has two processes of one rank, and the job ends
+    bit-identical."""
+    h = hosts(3, networks=2)
+    pfs = tmp_path / "mgmt-pfs"
+    cluster = spare_cluster(tmp_path, "mgmt", hosts=h, FT_TIERS=f"pfs://{pfs}",
+                            FT_FAULTS="mark:2:12", FT_STEP_S="0.3",
+                            FLASHCKPT_HANG_FLOOR="3")  # fmt: skip
+    try:
+        start_until_step(cluster, 2, 12)
+        log1 = (tmp_path / "mgmt-node1-1.log").read_text()
+        originals = {int(r): int(p) for r, p in re.findall(r"restored ([23]) \S+ pid=(\d+)", log1)}
+        cut = time.time()
+        h.partition(1, netns.MANAGEMENT)
+        gone = poll(lambda: all(is_dead(p) for p in originals.values()), 60, 0.1)
+    except BaseException:
+        cluster.close()
+        raise
+    run = cluster.finish(240)
+    assert gone, ({r: p for r, p in originals.items() if not is_dead(p)}, explain(run))
+    assert run.codes[0] == run.codes[2] == 0, explain(run)
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
+    found_lost = lost[0]["time"]
+    two = {k: pids for k, pids in claims(run.events).items() if len(pids) > 1}
+    assert not two, (two, explain(run))
+    late = [e for e in run.events[1] if e["kind"] == "tier_committed" and e["scope"] == "shared"
+            and e["time"] > found_lost]  # fmt: skip
+    assert not late, late
+    spares = {e["step"] for e in run.events[2] if e["kind"] == "tier_committed"
+              and e["scope"] == "shared"}  # fmt: skip
+    landed = landed_after(pfs, cluster.job, found_lost)
+    assert set(landed) <= spares, ({s: f for s, f in landed.items() if s not in spares}, spares)
+    for rank in (0, 1):
+        assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
+    assert run.digest == reference
+    back = first_step_after(run.events[2], cut)
+    print(f"management network cut -> found lost after {found_lost - cut:.2f}s, every rank "
+          f"trained again after {back - cut:.2f}s; node 1 exited {run.codes[1]}")  # fmt: skip

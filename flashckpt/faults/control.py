@@ -51,6 +51,19 @@ def split_address(address: str, what: str = "FLASHCKPT_CONTROLLER") -> tuple[str
     return host, int(port)
 
 
+def controller_address(args) -> str:
+    """FLASHCKPT_CONTROLLER, else the rendezvous host with the rendezvous port + 1 (any free
+    port on 127.0.0.1 when standalone)."""
+    if os.environ.get("FLASHCKPT_CONTROLLER"):
+        split_address(os.environ["FLASHCKPT_CONTROLLER"])  # host:port, or ConfigError
+        return os.environ["FLASHCKPT_CONTROLLER"]
+    if args.standalone or not args.rdzv_endpoint:
+        return "127.0.0.1:0"
+    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:29400"
+    host, port = split_address(endpoint, "--rdzv-endpoint")
+    return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
+
+
 def read_secret(path: str, what: str) -> bytes:
     """A secret file's bytes, refused unless it is a regular file only its owner can read."""
     try:

@@ -20,6 +20,12 @@ rather than from when each node happened to look:
   the likeliest alone where the evidence cannot tell; a stopped process here is recorded at
   once (it is a cause, whatever the others post), with every other stopped process this node
   runs or another node posted (a node whose workers all stopped);
+- a node posting for the first time in a round also posts which nodes it reached on the
+  training network (``reach``); a node that none reached, while they reached others, and
+  that reached none itself, is cut off that network: it is the culprit, whole (its ranks
+  stall because its network does, and a standby there would stall again), and it leaves the
+  job so that a spare or a restart takes it. A judge that reached none of the nodes it
+  probed waits up to ``REACH_WAIT_S`` for their word before it names anyone;
 - the culprits are recorded once per round (one ``compare_set``), so every node acts on the
   same set: each node kills those it runs (their replacements then move the job to the next
   round together), the others wait.
@@ -31,14 +37,17 @@ import datetime
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .collectives import causes
+from .reach import cut_off
 
 log = logging.getLogger(__name__)
 
 SETTLE_S = 0.5
+REACH_WAIT_S = 2.0
+"""How long a judge whose probes all failed waits for the nodes it could not reach to post."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Suspect:
     step: int | None = None
     last_progress: float = 0.0  # wall clock
     issued: dict[str, int] = field(default_factory=dict)  # see collectives
+    cut_off: bool = False  # its node is cut off the training network (``reach``): it leaves
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -70,10 +80,13 @@ class JobCulprit:
     ``where`` gives the store's key prefix of the current worker group and its round, or None
     when there is none yet."""
 
-    def __init__(self, store: Any, node: str, where: Any, settle: float = SETTLE_S):
+    def __init__(self, store: Any, node: str, where: Any, settle: float = SETTLE_S,
+                 reach: Any = None):  # fmt: skip
         """``store``: a store client, or a callable that makes one when first needed (the
-        store may not serve yet when the launcher starts)."""
+        store may not serve yet when the launcher starts). ``reach``: this node's
+        ``reach.Reach``, or None (no evidence of the training network is posted)."""
         self._store, self.node, self.where, self.settle = store, node, where, settle
+        self.reach = reach
         # round prefix -> (when this node first posted, what it posted last)
         self._posted: dict[str, tuple[float, str]] = {}
 
@@ -84,7 +97,7 @@ class JobCulprit:
         return self._store
 
     @classmethod
-    def connect(cls, address: str, node: str, where: Any) -> JobCulprit:
+    def connect(cls, address: str, node: str, where: Any, reach: Any = None) -> JobCulprit:
         from .control import split_address
 
         host, port = split_address(address, "the recovery store")
@@ -95,7 +108,7 @@ class JobCulprit:
             return dist.TCPStore(host, port, is_master=False,
                                  timeout=datetime.timedelta(seconds=10))  # fmt: skip
 
-        return cls(make, node, where)
+        return cls(make, node, where, reach=reach)
 
     def decide(self, mine: list[Suspect], judged: bool) -> list[Suspect]:
         """The job's culprits of the current round, once chosen ([] before: wait). ``mine``:
@@ -113,6 +126,9 @@ class JobCulprit:
         if self._posted.get(prefix, (0.0, ""))[1] != posted:
             self.store.set(f"{prefix}/suspects/{self.node}", posted)
             if prefix not in self._posted:
+                if self.reach is not None:  # before the name: a poster's word is complete
+                    got = self.reach.probe(self.store, self.node)
+                    self.store.set(f"{prefix}/reach/{self.node}", json.dumps(got))
                 self.store.append(f"{prefix}/posters", json.dumps(self.node) + "\n")
             first = self._posted.get(prefix, (now, ""))[0]
             self._posted[prefix] = (first, posted)
@@ -124,24 +140,56 @@ class JobCulprit:
         # process here, every stopped one (``causes``), at once; else the causes among them.
         every = self._every(prefix)
         every += [s for s in mine if s not in every]
-        found = self.store.compare_set(culprit, "", _dumps(causes(every)))
+        cut = self._cut_off(prefix, every, now - self._posted[prefix][0])
+        if cut is None:
+            return []
+        found = self.store.compare_set(culprit, "", _dumps(cut or causes(every)))
         decided = _loads(found)
         log.info("the job's culprits for this hang, of %d suspect(s): %s", len(every),
                  "; ".join(_describe(d) for d in decided))  # fmt: skip
         return decided
 
+    def _posters(self, prefix: str) -> list[str]:
+        raw = self.store.get(f"{prefix}/posters").decode()
+        return list(dict.fromkeys(json.loads(line) for line in raw.splitlines() if line))
+
     def _every(self, prefix: str) -> list[Suspect]:
         """Every rank the job's nodes posted in this round."""
-        nodes = [json.loads(line) for line in
-                 self.store.get(f"{prefix}/posters").decode().splitlines() if line]  # fmt: skip
         out = []
-        for node in dict.fromkeys(nodes):
+        for node in self._posters(prefix):
             raw = self.store.get(f"{prefix}/suspects/{node}")
             out.extend(Suspect(**one) for one in json.loads(raw))
         return out
 
+    def _cut_off(self, prefix: str, every: list[Suspect], since: float) -> list[Suspect] | None:
+        """The nodes cut off the training network by what the posters reached (``reach``),
+        as culprits: their posted ranks, or the node alone (rank -1) if it posted none. [] if
+        none is; None while this node reached none of those it probed and one of them has not
+        posted yet (for up to ``REACH_WAIT_S``): it may be the one cut off."""
+        if self.reach is None:
+            return []
+        reached = {}
+        for node in self._posters(prefix):
+            if self.store.check([key := f"{prefix}/reach/{node}"]):
+                reached[node] = json.loads(self.store.get(key))
+        mine = reached.get(self.node, {})
+        if mine and not any(mine.values()) and since < REACH_WAIT_S and any(
+                n not in reached for n in mine):  # fmt: skip
+            return None
+        out = []
+        for node in cut_off(reached):
+            ranks = [replace(s, cut_off=True) for s in every if s.node == node]
+            out.extend(ranks or [Suspect(node, -1, 0, False, cut_off=True)])
+        if out:
+            log.error("node(s) %s reached none of the nodes they probed on the training network "
+                      "and none reached them, while the others reach each other: cut off",
+                      ", ".join(sorted({s.node for s in out})))  # fmt: skip
+        return out
+
 
 def _describe(s: Suspect) -> str:
+    if s.cut_off:
+        return f"node {s.node}{f' (rank {s.rank})' if s.rank >= 0 else ''}: cut off the network"
     return (f"rank {s.rank} on node {s.node} ({'stopped' if s.stopped else 'running'}, step "
             f"{s.step}, last progress {time.time() - s.last_progress:.1f}s ago)")  # fmt: skip
 

@@ -47,6 +47,7 @@ from .events import EventLog, events_path
 from .hang import HangPolicy
 from .heartbeat import remove_dead
 from .node_watch import NodeWatch
+from .reach import leave, listen_for_probes
 from .spare import split_flag
 
 if TYPE_CHECKING:
@@ -80,19 +81,6 @@ def claim_job(run_dir: Path, job: str) -> int:
         ) from None
 
 
-def controller_address(args) -> str:
-    """FLASHCKPT_CONTROLLER, else the rendezvous host with the rendezvous port + 1 (any free
-    port on 127.0.0.1 when standalone)."""
-    if os.environ.get("FLASHCKPT_CONTROLLER"):
-        control.split_address(os.environ["FLASHCKPT_CONTROLLER"])  # host:port, or ConfigError
-        return os.environ["FLASHCKPT_CONTROLLER"]
-    if args.standalone or not args.rdzv_endpoint:
-        return "127.0.0.1:0"
-    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:29400"
-    host, port = control.split_address(endpoint, "--rdzv-endpoint")
-    return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
-
-
 def start_controller(args, job: str, run_dir: Path, events: EventLog,
                      serve: bool = True) -> InThread | None:  # fmt: skip
     """Serve the controller here if ``serve``, its address is this host's and no other
@@ -100,7 +88,7 @@ def start_controller(args, job: str, run_dir: Path, events: EventLog,
     when this node only reports to it (a spare never serves it), or runs without one."""
     from ..agent.controller import Controller, InThread
 
-    address = controller_address(args)
+    address = control.controller_address(args)
     token = control.token_from_env()
     single = args.standalone or str(args.nnodes) in ("1", "1:1")
     if token is None and not single:
@@ -145,7 +133,7 @@ def recovery_store_address(args) -> str:
     if os.environ.get(STORE_ENV):
         control.split_address(os.environ[STORE_ENV], STORE_ENV)
         return os.environ[STORE_ENV]
-    host, port = control.split_address(controller_address(args))
+    host, port = control.split_address(control.controller_address(args))
     return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"
 
 
@@ -308,18 +296,21 @@ def run_workers(launch: Launch) -> None:
     from torch.distributed import run as torchrun
 
     job, events, inplace = launch.job, launch.events, launch.restart_policy == "in-process"
-    culprits = None
+    culprits, reach, halt = None, None, threading.Event()
     if inplace:
         from .culprit import JobCulprit
         from .inprocess import STORE_ENV
         from .inprocess_agent import round_prefix
 
         culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
+        culprits.reach = reach = listen_for_probes(config.node_name(), lambda: culprits.store,
+                                                   launch.args, halt)  # fmt: skip
     # Under in-process recovery a hang costs its detection plus a replacement's second: the
     # pages (a few per node) are read ten times a second.
     watch = NodeWatch(launch.shm_dir, job, events, launch.policy,
                       interval=0.1 if inplace else 0.25, one_at_a_time=inplace,
-                      culprits=culprits)  # fmt: skip
+                      culprits=culprits,
+                      leave=lambda why: leave(launch.run_dir, job, events, why, watch.halted))  # fmt: skip
     watch.start()
     keeper = AgentKeeper(job, launch.run_dir, launch.shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
@@ -332,7 +323,10 @@ def run_workers(launch: Launch) -> None:
                       seconds=time.monotonic() - started)  # fmt: skip
         raise
     finally:
+        halt.set()
         watch.stop()
+        if reach is not None:
+            reach.close()
         clean_up(launch)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 

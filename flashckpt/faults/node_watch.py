@@ -9,7 +9,8 @@ to a warm standby (``inprocess_agent``), and of ranks found hung together only t
 are killed (``collectives.causes``: the likely culprit, or every one of several hung at once):
 the others are blocked in a collective with them and recover once their replacements join.
 Across nodes, the culprits are the job's, agreed with the other nodes through the recovery
-store (``culprit``), and each is killed only by the node that runs it.
+store (``culprit``), and each is killed only by the node that runs it; a node found cut off the
+training network leaves the job instead (``leave``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ class NodeWatch(threading.Thread):
 
     def __init__(self, shm_dir: Path, job: str, events: EventLog, policy: HangPolicy,
                  interval: float = 0.25, one_at_a_time: bool = False,
-                 culprits: Any = None):  # fmt: skip
+                 culprits: Any = None, leave: Any = None):  # fmt: skip
         """``one_at_a_time`` (in-process recovery): of the ranks found hung together, only
         the causes are killed (see ``_culprit``); the others, blocked in a collective with
         them, are not judged again before their replacements have started (at most the
         start-up budget) and had the hang floor to join them. ``culprits`` (a
         ``culprit.JobCulprit``): the culprits are the job's, agreed with the other nodes, and
-        this node kills those it runs."""
+        this node kills those it runs. ``leave(why)``: called when the job names this node
+        cut off the training network (``reach``): it takes the node out of the job."""
         super().__init__(name="flashckpt-watchdog", daemon=True)
         self.shm_dir, self.job = shm_dir, job
         self.watchdog = Watchdog(shm_dir, job, policy)
@@ -54,7 +56,7 @@ class NodeWatch(threading.Thread):
         # the culprits killed in one decision and not replaced yet, and when they were killed
         self._replacing: tuple[list[Hang], float] | None = None
         self.seen: dict[int, int] = {}  # pid -> rank, of our live workers
-        self.culprits = culprits
+        self.culprits, self.leave = culprits, leave
         self._round_seen: str | None = None  # the round prefix of the last poll
         self._halt = self.halted = threading.Event()
 
@@ -173,6 +175,10 @@ class NodeWatch(threading.Thread):
                         exc)  # fmt: skip
             decided = [Suspect.of(node, h) for h in self._culprit(silences)] if hangs else []
         if not decided:
+            return []
+        if any(d.cut_off and d.node == node for d in decided) and self.leave is not None:
+            self.leave("this node reached none of the nodes it probed on the training network, "
+                       "and none of them reached it, while they reach each other")  # fmt: skip
             return []
         here = {(d.rank, d.pid) for d in decided if d.node == node}
         if not here:

@@ -1,6 +1,8 @@
-"""What ``/proc`` says of a process of this node: its parent and its state."""
+"""What ``/proc`` says of a process of this node: its parent and its state, and its children."""
 
 from __future__ import annotations
+
+import os
 
 
 def parent_and_state(pid: int) -> tuple[int, str]:
@@ -18,3 +20,12 @@ def parent_and_state(pid: int) -> tuple[int, str]:
         return int(fields[1]), fields[0]
     except ValueError:
         return 0, ""
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and parent_and_state(int(entry))[0] == pid:
+            out.append(int(entry))
+    return out

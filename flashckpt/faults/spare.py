@@ -54,6 +54,7 @@ from .. import config
 from ..errors import FlashCkptError
 from .events import EventLog, read_events
 from .node_watch import NodeWatch
+from .reach import leave, listen_for_probes
 from .spare_marks import current_run, mark_replaced, node_key, unmark_replaced
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class Spare:
         self.args, self.argv, self.job, self.events = args, argv, job, events
         self.launch_env, self.claim = launch_env, claim
         self.name = config.node_name()
+        self.halted = threading.Event()  # the spare's life is over: nothing more published
         self.run_dir = config.run_dir()
         self.shm_dir = config.shm_dir()
 
@@ -172,6 +174,8 @@ class Spare:
         supervisor.standbys.script = ["-m", script] if self.args.module else [script]
         supervisor.standbys.fill()
         self.agent = self._warm_agent()
+        self.reach = listen_for_probes(self.name, lambda: supervisor.store, self.args,
+                                       self.halted)  # fmt: skip
         halt = threading.Event()
         threading.Thread(target=self._announce, args=(supervisor.standbys, halt), daemon=True,
                          name="flashckpt-spare-warm").start()  # fmt: skip
@@ -230,8 +234,11 @@ class Spare:
         mark_replaced(store, self.job, lost, self.name, ns)
         target = move_round(store, ns, died_in, None)
         store.append(f"flashckpt/{ns}/replaced", f"{lost},")
-        # From here on this process is the lost node: its agent, events and ranks bear its name.
+        # From here on this process is the lost node: its agent, events, ranks and training
+        # address (``reach``) bear its name.
         os.environ["FLASHCKPT_NODE"] = lost
+        if self.reach is not None:
+            self.reach.publish(store, lost)
         self.events = EventLog(self.events.path)
         self._start_agent()
         members: dict[int, Member] = {}
@@ -303,9 +310,11 @@ class Spare:
         from .inprocess import STORE_ENV
         from .inprocess_agent import round_prefix
 
-        culprits = JobCulprit.connect(os.environ[STORE_ENV], lost, round_prefix)
+        culprits = JobCulprit.connect(os.environ[STORE_ENV], lost, round_prefix, self.reach)
         watch = NodeWatch(self.shm_dir, self.job, self.events, HangPolicy.from_env(),
-                          interval=0.1, one_at_a_time=True, culprits=culprits)  # fmt: skip
+                          interval=0.1, one_at_a_time=True, culprits=culprits,
+                          leave=lambda why: leave(self.run_dir, self.job, self.events, why,
+                                                  watch.halted))  # fmt: skip
         watch.start()
         keeper = AgentKeeper(self.job, self.run_dir, self.shm_dir)
 
