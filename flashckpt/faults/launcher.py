@@ -10,7 +10,9 @@ It takes exactly torchrun's arguments and runs ``torch.distributed.run`` (TorchE
   from the command line) and printed, so a rerun resumes;
 - a watchdog (``node_watch``) reads this node's heartbeat pages, records worker starts and
   exits in the event log, and kills a hung worker after its stacks are logged, so TorchElastic
-  restarts the worker group (and, through the rendezvous, every other node's);
+  restarts the worker group (and, through the rendezvous, every other node's); a worker whose
+  kill does not take (held in the kernel) is reported and left behind, never waited for
+  (``reap``);
 - it keeps this node's agent running and, where it can bind the controller's address (the
   rendezvous host), serves the job's controller: the agents report to it, and on a failed
   worker or a lost node it has every node's agent kill the failed round's workers, so ranks
@@ -31,6 +33,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -305,6 +308,10 @@ def run_workers(launch: Launch) -> None:
         culprits = JobCulprit.connect(os.environ[STORE_ENV], config.node_name(), round_prefix)
         culprits.reach = reach = listen_for_probes(config.node_name(), lambda: culprits.store,
                                                    launch.args, halt)  # fmt: skip
+    else:  # in-process recovery's agent bounds them already
+        from .reap import install as bound_waits_on_killed_workers
+
+        bound_waits_on_killed_workers()
     # Under in-process recovery a hang costs its detection plus a replacement's second: the
     # pages (a few per node) are read ten times a second.
     watch = NodeWatch(launch.shm_dir, job, events, launch.policy,
@@ -382,7 +389,15 @@ def main(argv: list[str] | None = None) -> None:
                          hang_policy=launch.policy.__dict__, spare=launch.spare)  # fmt: skip
     if launch.spare:
         run_spare(launch)
-    run_workers(launch)
+    try:
+        run_workers(launch)
+    except Exception:  # the workers failed, or the rendezvous cannot be reached
+        # Not through the interpreter's teardown (see ``run_spare``): a thread still in a store
+        # call then aborts the process, and the exit status says SIGABRT instead of 1.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
