@@ -5,6 +5,10 @@ may unlink the file when it gives the claim up (while still holding the lock); a
 that opened the old file just before then would lock an orphan, so after locking it checks
 that the path still names the file it locked, and starts over if not. A flock belongs to an
 open file description: a second claim from the same process is refused like any other.
+
+A holder whose SIGKILL has not taken (in uninterruptible sleep, frozen: ``doomed``) keeps its
+lock for as long as the kernel holds it, which may be forever, yet never runs its own code
+again: ``release_doomed`` frees the claim from it for the next claimant.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -52,11 +57,15 @@ def holder(path: Path) -> int | None:
     says, not the pid written in the file, which may be a dead owner's), None if nobody
     holds it. Looking never takes the lock, so it never turns a claimant away."""
     try:
-        st = os.stat(path)
-        with open("/proc/locks") as f:
-            table = f.read().splitlines()
+        return _lock_holder(os.stat(path))
     except OSError:
         return None
+
+
+def _lock_holder(st: os.stat_result) -> int | None:
+    """The pid holding a flock on the file ``st`` describes, from the kernel's lock table."""
+    with open("/proc/locks") as f:
+        table = f.read().splitlines()
     where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     for line in table:
         fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <maj:min:inode> 0 EOF"
@@ -64,6 +73,64 @@ def holder(path: Path) -> int | None:
             with contextlib.suppress(ValueError):
                 return int(fields[4])
     return None
+
+
+def doomed(pid: int) -> bool:
+    """Whether live process ``pid`` has a SIGKILL pending: sent and not taken yet, the process
+    held in the kernel (uninterruptible sleep, frozen). The kernel puts one there too for a
+    fatal signal the process does not handle (a SIGTERM by default). It never runs its own
+    code again: the kill is the first thing it meets on its way back to user space, whenever
+    the kernel lets it go. False for a process that is gone, a zombie, or one that cannot be
+    read."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    if fields.get("State", "").strip()[:1] in ("", "Z", "X"):
+        return False
+    bit = 1 << (signal.SIGKILL - 1)
+    for name in ("ShdPnd", "SigPnd"):  # the process's pending set, its main thread's
+        with contextlib.suppress(ValueError):
+            if int(fields.get(name, "0").strip(), 16) & bit:
+                return True
+    return False
+
+
+def release_doomed(path: Path, wait_s: float = 1.0) -> int | None:
+    """Free the claim on ``path`` from a holder that can never use it again (``doomed``):
+    the path is unlinked, the holder keeps its lock on a file nothing names any more, and the
+    next ``lock_pidfile`` claims a new file there. The holder's pid where it was freed, else
+    None. Contenders take turns on a lock of the directory (for up to ``wait_s``), so that
+    none unlinks the file another has just claimed in its place."""
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.01)
+        try:
+            st = os.lstat(path)
+            pid = _lock_holder(st)
+            if pid is None or pid == os.getpid() or not doomed(pid):
+                return None
+            if os.lstat(path).st_ino != st.st_ino:
+                return None
+            path.unlink()
+        except OSError:
+            return None
+        return pid
+    finally:
+        os.close(dir_fd)
 
 
 def lock_pidfile(path: Path) -> int:

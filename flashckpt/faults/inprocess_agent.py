@@ -9,7 +9,10 @@ watched here, their exit statuses read from ``/proc`` without reaping them. When
 recovery cannot finish (no standby, a round that does not form within its deadline, a worker
 that gave up on it) every worker is killed and TorchElastic restarts the group as before; the
 event log says why. A worker that crashes after closing its Checkpointer (its last step done)
-is not a fault: it is logged and left alone.
+is not a fault: it is logged and left alone. A worker killed whose kill does not take (held in
+the kernel: a hung file system, a wedged driver) counts as lost once its SIGKILL has been
+pending for ``reap.KILL_TAKES_S``: it is reported, left behind and its rank replaced, and no
+wait on a killed child here is unbounded (``reap``).
 
 A node that a spare node took while it was found lost (its agent silent, the node alive) is
 fenced here too: when its launcher sees the job's round move, or a worker of its own fail, it
@@ -38,7 +41,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from .. import config
 from ..safe_paths import write_atomic
@@ -54,6 +56,7 @@ from .inprocess import (
     move_round,
     namespace,
 )
+from .reap import BoundedAgent, Overdue, reap
 from .spare_marks import publish_node, run_ended, run_started, was_replaced
 from .standby import READY_FD_ENV, SCRIPT_ENV
 
@@ -111,9 +114,7 @@ class Standbys:
     def close(self) -> None:
         for proc, read, _ in self.idle:
             os.close(read)
-            with contextlib.suppress(OSError):
-                proc.kill()
-            proc.wait()
+            reap(proc, "none (a standby)", self.events, "closing the standbys")
         self.idle = []
 
 
@@ -198,6 +199,7 @@ class Supervisor:
         self.holder = ""  # the node (or spare node) whose ranks this launcher runs
         self.fenced = ""  # the spare that took this node's ranks, once this launcher knows
         self._round_seen: int | None = None
+        self.overdue = Overdue(events)  # a worker killed whose kill has not taken: lost
 
     # ---- the worker group's life ------------------------------------------------------
     def started(self, wg: WorkerGroup, pids: dict[int, int], envs: dict[int, dict]) -> None:
@@ -278,8 +280,7 @@ class Supervisor:
         leaves the run to the spare)."""
         for m in self.members.values():
             if m.replacement is not None and m.replacement.poll() is None:
-                m.replacement.kill()
-                m.replacement.wait()
+                reap(m.replacement, m.rank, self.events, "stopping a replacement")
         if self.members and not self.fenced:
             with contextlib.suppress(Exception):  # the store gone: so is the run
                 run_ended(self.store, self.job, namespace(next(iter(self.members.values())).env))
@@ -360,9 +361,12 @@ class Supervisor:
         return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(ranks))
 
     def _status(self, m: Member) -> int | None:
-        if m.replacement is not None:
-            return m.replacement.poll()
-        return exit_status(m.pid)
+        """The exit status of rank ``m``'s process, None while it runs; -9 (killed) for one
+        whose SIGKILL has not taken (``reap``): it is left behind, and its rank replaced."""
+        status = m.replacement.poll() if m.replacement is not None else exit_status(m.pid)
+        if status is None and self.overdue(m.pid, m.rank, "watching the workers"):
+            return -int(signal.SIGKILL)
+        return status
 
     def _finished(self, m: Member, status: int) -> bool:
         """Whether rank ``m`` exited with ``status`` after closing its Checkpointer (its last
@@ -449,7 +453,7 @@ class Supervisor:
         return result
 
 
-class RecoveringAgent(LocalElasticAgent):
+class RecoveringAgent(BoundedAgent):
     """TorchElastic's agent, with a lost worker replaced in place (see the module doc)."""
 
     supervisor: Supervisor  # set by install()

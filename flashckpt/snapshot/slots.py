@@ -1,6 +1,7 @@
 """A rank's two slots: where they live, which one the next snapshot goes to, how to read one.
 
-Files: ``<shm_dir>/<job>/rank-<R>.slot-<0|1>`` and ``rank-<R>.owner`` (held by the live writer).
+Files: ``<shm_dir>/<job>/rank-<R>.slot-<0|1>`` and ``rank-<R>.owner`` (held by the live writer;
+an owner killed whose kill has not taken, which never writes again, gives it up to the next).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from ..errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryE
 # Against the layers, by design: a rank's files in shared memory are freed together, and the
 # heartbeat page and stack dump among them are named where they are written (faults/).
 from ..faults.heartbeat import heartbeat_path, stacks_path
+from ..faults.proc import parent_and_state
 from ..format.kept import Kept
 from ..format.manifest import Manifest
 from ..format.slot import Slot, SlotHeader, SlotState, shm_space_error
-from ..pidfile import PidFileBusy, lock_pidfile
+from ..pidfile import PidFileBusy, lock_pidfile, release_doomed
 from ..safe_paths import private_dir
 
 log = logging.getLogger(__name__)
@@ -212,6 +214,9 @@ class SlotPair:
                 vanished += 1  # a closing owner removed the emptied job directory meanwhile
                 continue
             except PidFileBusy as busy:
+                if busy.pid != os.getpid() and self._take_from_doomed():
+                    vanished += 1  # bounds the takeovers too
+                    continue
                 if busy.pid != os.getpid() and time.monotonic() < deadline:
                     time.sleep(0.01)  # perhaps an agent freeing the rank's old slots
                     continue
@@ -232,6 +237,18 @@ class SlotPair:
             f"rank {self.rank} of job {self.job!r}: {self.dir} kept disappearing while it was "
             "being claimed; another process is creating and closing this rank in a loop"
         )
+
+    def _take_from_doomed(self) -> bool:
+        """Free the rank from an owner killed whose kill has not taken (``pidfile.doomed``: it
+        never writes again) for this claim; whether it was."""
+        pid = release_doomed(self._owner_path)
+        if pid is None:
+            return False
+        log.warning("rank %d of job %r: its owner (pid %d) was killed and is held in the kernel "
+                    "(its SIGKILL pending, state %s); it never runs again: this process (pid %d) "
+                    "takes the rank over", self.rank, self.job, pid,
+                    parent_and_state(pid)[1] or "?", os.getpid())  # fmt: skip
+        return True
 
     def release(self) -> None:
         if self._owner_fd is not None:
