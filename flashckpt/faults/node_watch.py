@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..pidfile import doomed
 from .events import EventLog
 from .hang import Hang, HangPolicy, Watchdog
 from .heartbeat import Phase, heartbeat_path, pages, read
@@ -91,7 +92,9 @@ class NodeWatch(threading.Thread):
                 self.events.record("worker_exited", rank=rank, worker_pid=pid, step=beat.step,
                                    phase=beat.phase.name.lower(),
                                    silent_s=time.monotonic() - beat.updated_at)  # fmt: skip
-        silences = self.watchdog.silences(workers)
+        # A worker killed already whose kill has not taken (held in the kernel) is not judged
+        # again: its launcher counts it lost (``reap``).
+        silences = self.watchdog.silences({r: p for r, p in workers.items() if not doomed(p)})
         hangs = [h for h in silences if h.silent_s > h.timeout_s]
         # The store is asked only while a rank here is silent past half the floor: blocked
         # with a culprit elsewhere, or about to be judged (a quiet node costs the store nothing).

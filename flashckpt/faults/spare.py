@@ -185,8 +185,9 @@ class Spare:
             halt.set()  # the standbys are taken from here on: no more looking at them
         if not lost:
             if self.agent is not None:
-                self.agent.kill()
-                self.agent.wait()
+                from .reap import reap
+
+                reap(self.agent, None, self.events, "stopping the spare's agent")
             supervisor.close()
             return 0
         told = time.monotonic()
@@ -257,9 +258,10 @@ class Spare:
                 self.events.record("replacement_started", rank=rank, round=target, pid=proc.pid,
                                    warm=warm, spare=self.name)  # fmt: skip
         except BaseException:
+            from .reap import reap
+
             for m in members.values():  # half a node must not join the round
-                m.replacement.kill()
-                m.replacement.wait()
+                reap(m.replacement, m.rank, self.events, "taking a lost node")
             raise
         supervisor.standbys.count = self.standbys_after
         supervisor.adopt(members, record["args"], int(record["world"]),
