@@ -35,6 +35,7 @@ it is ``init_process_group()``, ``train()``, ``destroy_process_group()``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -42,7 +43,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,20 +96,23 @@ def run_recoverable(train: Callable[[], Any], backend: str | None = None,
     while True:
         if rounds.round > 0 and not cuda_healthy():
             rounds.leave_broken()
-        rounds.join()
+        with rounds.store_lost():
+            rounds.join()
         try:
             result = train()
         except Exception as exc:
             fault = rounds.fault(exc)
         else:
-            rounds.leave(finished=True)
+            with rounds.store_lost():
+                rounds.leave(finished=True)
             return result
         if fault.own:
             if own_error == fault.signature:
                 rounds.repeated(fault)  # exits: every worker restarts
             own_error = fault.signature
         del fault  # its traceback holds the round's objects (a DDP wrapper holds the group)
-        rounds.leave(finished=False)
+        with rounds.store_lost():
+            rounds.leave(finished=False)
 
 
 # What NCCL and ProcessGroupNCCL must do for a survivor to stay alive through a peer's fault
@@ -443,6 +447,18 @@ class Rounds:
         self._record("inprocess_gave_up", reason=f"the same error twice: {fault.message[:250]}")
         logging.shutdown()
         os._exit(EXIT_GAVE_UP)
+
+    @contextlib.contextmanager
+    def store_lost(self) -> Iterator[None]:
+        """Joining or leaving a round with the recovery store out of reach (its host lost, the
+        network cut): give up on in-process recovery (``EXIT_GAVE_UP``), so that the launcher
+        falls back to restarting every worker, instead of a traceback the launcher would take
+        for a lost rank."""
+        try:
+            yield
+        except dist.DistNetworkError as exc:
+            self._give_up(f"the recovery store cannot be reached ({str(exc).splitlines()[0]})",
+                          budget=True)  # fmt: skip
 
     def leave_broken(self) -> None:
         """Exit for good: this process cannot go on (see ``cuda_healthy``)."""

@@ -183,8 +183,8 @@ class Supervisor:
 
         host, port = split_address(store_address, "the recovery store")
         self.address = (host, port)
-        self.store = dist.TCPStore(host, port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        self._store: Any = None
+        self.store  # noqa: B018  (connected now: the store must answer before workers start)
         self.relay: RoundRelay | None = None
         self.events, self.deadline = events, deadline
         self.standbys = Standbys(standbys, events)
@@ -299,7 +299,26 @@ class Supervisor:
             self.relay = None
 
     # ---- watching ---------------------------------------------------------------------
+    @property
+    def store(self) -> Any:
+        """The launcher's client of the job's recovery store, connected again after a failure
+        (``monitor``)."""
+        if self._store is None:
+            self._store = dist.TCPStore(*self.address, is_master=False,
+                                        timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        return self._store
+
     def monitor(self, original: Any, pcontext: Any) -> RunResult:
+        """One look at the workers (``_monitor``); where the recovery store cannot be reached,
+        the fallback: every worker restarts, and the next look connects to the store again."""
+        try:
+            return self._monitor(original, pcontext)
+        except dist.DistNetworkError as exc:
+            self._store = None
+            return self._fall_back(f"the recovery store cannot be reached "
+                                   f"({str(exc).splitlines()[0]})", original)  # fmt: skip
+
+    def _monitor(self, original: Any, pcontext: Any) -> RunResult:
         statuses = {lr: self._status(m) for lr, m in self.members.items()}
         for lr, status in statuses.items():
             if status not in (None, 0) and self._finished(self.members[lr], status):
