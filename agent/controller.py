@@ -92,7 +92,8 @@ class Controller:
         if r.spare:  # runs nothing: heard only to be handed a lost node, or told it is over
             return pb.ReportReply(heartbeat_s=self.heartbeat, seq=r.seq, take_node=node.taking,
                                   lost_silent_s=node.lost_silent_s,
-                                  job_over=not node.taking and spares.job_over(job))  # fmt: skip
+                                  job_over=not node.taking and spares.job_over(
+                                      job, now, self.node_timeout))  # fmt: skip
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
         node.peer_address, node.failure_domain = r.peer_address, r.failure_domain

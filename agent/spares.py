@@ -21,9 +21,15 @@ def free(job: JobState, now: float, fresh_s: float) -> list[str]:
                   if n.spare and not n.taking and now - n.last_seen <= fresh_s)  # fmt: skip
 
 
-def job_over(job: JobState) -> bool:
-    """Whether the job has run and ended: every worker of every node closed its Checkpointer
-    (a killed or crashed one has not; a restart's new ones run), and no node is lost."""
+def job_over(job: JobState, now: float, timeout: float) -> bool:
+    """Whether the job has run and ended, no node lost: every worker of every node closed its
+    Checkpointer (a killed or crashed one has not; a restart's new ones run), or the job failed:
+    every node's launcher is gone (its agent silent past ``timeout``) and none had a worker
+    running when last heard (the controller that a launcher served is gone with it; a
+    standalone one learns the end this way)."""
     nodes = [n for n in job.nodes.values() if not n.spare]
-    return (any(n.ran for n in nodes) and not any(n.lost for n in nodes)
-            and all(s.worker.phase == "closed" for n in nodes for s in n.workers.values()))  # fmt: skip
+    if not any(n.ran for n in nodes) or any(n.lost for n in nodes):
+        return False
+    closed = all(s.worker.phase == "closed" for n in nodes for s in n.workers.values())
+    gone = all(now - n.last_seen > timeout and not n.running() for n in nodes)
+    return closed or gone

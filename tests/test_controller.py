@@ -185,6 +185,27 @@ def test_a_spare_is_told_the_job_is_over_once_every_worker_has_closed(events):
     assert [r.job_over for r in pushed] == [True]
 
 
+def test_a_spare_is_told_a_failed_job_is_over_once_every_launcher_is_gone(events):
+    """A standalone controller outlives the job: when the job fails, its workers never close.
+    Once every node's agent has gone silent (its launcher exited) with no worker running when
+    last heard, the job is over for the spare too. A node lost with workers running is not an
+    end: a spare or the restart takes it."""
+    c = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    c.report(report("a", [worker(0, 100, 60)]), now=100)
+    c.report(report("b", [worker(1, 200, 60)]), now=100)
+    c.report(report("a", [worker(0, 100, 61, alive=False)]), now=101)  # failed, then exits
+    c.report(report("b", [worker(1, 200, 61, alive=False)]), now=101)
+    assert not c.report(spare("s1"), now=103).job_over  # silent for less than the timeout
+    c.tick(now=104.5)
+    assert c.report(spare("s1"), now=104.5).job_over
+    c2 = Controller(events, policy="in-process", node_timeout=3, heartbeat=1)
+    c2.report(report("a", [worker(0, 100, 60)]), now=100)
+    c2.report(report("b", [worker(1, 200, 60)]), now=100)
+    c2.report(spare("s1"), now=103.5)
+    c2.tick(now=103.6)  # both silent with workers running: lost, not over
+    assert not c2.report(spare("s2"), now=110).job_over
+
+
 def test_spares_serve_in_process_recovery_only(events):
     c = Controller(events, policy="restart", node_timeout=3, heartbeat=1)
     c.report(report("a", [worker(0, 100, 60)]), now=100)
