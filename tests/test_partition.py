@@ -192,6 +192,26 @@ def landed_after(pfs: Path, job: str, since: float) -> dict[int, list[str]]:
     return out
 
 
+def taken_and_fenced(run, pfs: Path, job: str) -> float:
+    """Node 1 was found lost and the spare (node 2) took it; no round had two processes of
+    one rank; node 1's agent committed nothing to the shared tier after it was found lost,
+    and every file of node 1's ranks that landed there since is of a step the spare committed.
+    When node 1 was found lost."""
+    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
+    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
+    found_lost = lost[0]["time"]
+    two = {k: pids for k, pids in claims(run.events).items() if len(pids) > 1}
+    assert not two, (two, explain(run))
+    late = [e for e in run.events[1] if e["kind"] == "tier_committed" and e["scope"] == "shared"
+            and e["time"] > found_lost]  # fmt: skip
+    assert not late, late
+    spares = {e["step"] for e in run.events[2] if e["kind"] == "tier_committed"
+              and e["scope"] == "shared"}  # fmt: skip
+    landed = landed_after(pfs, job, found_lost)
+    assert set(landed) <= spares, ({s: f for s, f in landed.items() if s not in spares}, spares)
+    return found_lost
+
+
 def start_spare_first(cluster) -> None:
     """Node 0 (the rendezvous, the controller and the recovery store), the spare until its
     standbys are warm, then node 1, until its rank 2 paused after step 12 with the step in its
@@ -256,22 +276,9 @@ def test_a_host_partitioned_and_healed_after_its_spare_took_it_is_fenced(hosts, 
                              ("tier_committed", "global_commit", "stepped")])  # fmt: skip
     assert gone, ({r: p for r, p in originals.items() if not is_dead(p)}, explain(run))
     assert run.codes[0] == run.codes[2] == 0, explain(run)
-    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
-    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
-    found_lost = lost[0]["time"]
+    taken_and_fenced(run, pfs, cluster.job)
     # Node 1's own processes ran no step of the job after it was found lost.
     assert not any(f"done {r} pid={p} " in run.logs[1] for r, p in originals.items()), explain(run)
-    two = {k: pids for k, pids in claims(run.events).items() if len(pids) > 1}
-    assert not two, (two, explain(run))
-    # Fenced: node 1's agent committed nothing to the shared tier after it was found lost, and
-    # every file of node 1's ranks that landed since is of a step the spare committed there.
-    late = [e for e in run.events[1] if e["kind"] == "tier_committed" and e["scope"] == "shared"
-            and e["time"] > found_lost]  # fmt: skip
-    assert not late, late
-    spares = {e["step"] for e in run.events[2] if e["kind"] == "tier_committed"
-              and e["scope"] == "shared"}  # fmt: skip
-    landed = landed_after(pfs, cluster.job, found_lost)
-    assert set(landed) <= spares, ({s: f for s, f in landed.items() if s not in spares}, spares)
     assert run.digest == reference
     # In-process throughout: the spare's round formed with node 0's ranks, nothing restarted.
     fallbacks = [e for ev in run.events for e in ev if e["kind"] == "inprocess_fallback"]
@@ -423,18 +430,7 @@ def test_a_host_cut_off_the_management_network_is_fenced_and_the_spare_takes_it(
     assert gone, ({r: p for r, p in originals.items() if not is_dead(p)}, explain(run))
     assert ended and run.codes[0] == run.codes[2] == 0, explain(run)
     assert left and run.codes[1] == 1, explain(run)  # the rendezvous cannot be reached
-    lost = [e for e in run.events[0] if e["kind"] == "node_lost"]
-    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node1": "node2"}), lost
-    found_lost = lost[0]["time"]
-    two = {k: pids for k, pids in claims(run.events).items() if len(pids) > 1}
-    assert not two, (two, explain(run))
-    late = [e for e in run.events[1] if e["kind"] == "tier_committed" and e["scope"] == "shared"
-            and e["time"] > found_lost]  # fmt: skip
-    assert not late, late
-    spares = {e["step"] for e in run.events[2] if e["kind"] == "tier_committed"
-              and e["scope"] == "shared"}  # fmt: skip
-    landed = landed_after(pfs, cluster.job, found_lost)
-    assert set(landed) <= spares, ({s: f for s, f in landed.items() if s not in spares}, spares)
+    found_lost = taken_and_fenced(run, pfs, cluster.job)
     for rank in (0, 1):
         assert len(pids_of(run.logs[0], rank)) == 1, run.logs[0][-3000:]
     assert run.digest == reference
