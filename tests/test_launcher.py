@@ -32,6 +32,7 @@ from flashckpt import config
 from flashckpt.faults.events import events_path, read_events
 
 if TYPE_CHECKING:
+    from control_plane import ControlPlane
     from netns import Hosts
 
 TRAINER = ROOT / "tests" / "ft_trainer.py"
@@ -76,19 +77,25 @@ class Cluster:
     With ``hosts`` (``netns.Hosts``, one a node), node ``n`` runs in host ``n``, its own network
     stack: it binds and advertises its host's address (``--local-addr``, gloo on the host's
     interface) and reaches the rendezvous, the controller and the recovery store at node 0's
-    (``is_host`` tells torch which node serves the rendezvous: it cannot tell from the address).
+    (``is_host`` tells torch which node serves the rendezvous: it cannot tell from the address),
+    or, with ``control`` (``control_plane.ControlPlane``), off the nodes: etcd's rendezvous and
+    a standalone controller, on a host of their own.
     The files (tiers, run and shared-memory directories) stay the machine's, as a parallel file
     system mounted on every host."""
 
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
                  trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
-                 spares: int = 0, hosts: Hosts | None = None, **env: str):  # fmt: skip
+                 spares: int = 0, hosts: Hosts | None = None, control: ControlPlane | None = None,
+                 **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
         self.per_node, self.spares, self.hosts = per_node, spares, hosts
         assert hosts is None or len(hosts) >= nodes, "one host a node"
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
         self.controller = f"{self.addr(0, '127.0.0.1')}:{free_port_pair()}"
+        self.control = control  # the rendezvous and the controller off the nodes, if given
+        if control is not None:
+            self.controller = control.address
         self.marks = tmp / f"{name}-marks"
         self.marks.mkdir()
         self.env, self.node_env = env, node_env
@@ -114,15 +121,16 @@ class Cluster:
                 **self.node_env[node]}  # fmt: skip
         full.pop("FLASHCKPT_JOB", None)
         spare = ["--spare"] if node >= self.n - self.spares else []
-        own = []
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr(0, '127.0.0.1')}:{self.port}"]
         if self.hosts is not None:
             full["GLOO_SOCKET_IFNAME"] = self.hosts.training_iface
-            own = [f"--rdzv-conf=is_host={int(node == 0)}"]
+            rdzv.append(f"--rdzv-conf=is_host={int(node == 0)}")
+        if self.control is not None:
+            rdzv = self.control.rdzv_args()
         cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
-               f"--nproc-per-node={self.per_node}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={self.addr(0, '127.0.0.1')}:{self.port}", *own,
-               f"--rdzv-id={self.job}", "--max-restarts=3", "--monitor-interval=0.1",
-               f"--local-addr={self.addr(node)}", str(self.trainer)]  # fmt: skip
+               f"--nproc-per-node={self.per_node}", *rdzv, f"--rdzv-id={self.job}",
+               "--max-restarts=3", "--monitor-interval=0.1", f"--local-addr={self.addr(node)}",
+               str(self.trainer)]  # fmt: skip
         if self.hosts is not None:
             cmd = self.hosts.command(node, cmd)
         self.starts[node] += 1

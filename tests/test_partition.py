@@ -438,3 +438,54 @@ def test_a_host_cut_off_the_management_network_is_fenced_and_the_spare_takes_it(
     print(f"management network cut -> found lost after {found_lost - cut:.2f}s, every rank "
           f"trained again after {back - cut:.2f}s; healed after the job ended, node 1's "
           f"launcher exited {run.codes[1]} {left_s:.2f}s later")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_node_0_losing_power_is_taken_by_the_spare_with_the_control_plane_off_the_nodes(
+    hosts, tmp_path, reference
+):
+    """No host is special: the rendezvous (a real etcd server) and the controller with the
+    recovery store (``flashckpt-agent controller``) run on a host of their own, as the README's
+    multi-node launch has them. Node 0, the first training node, loses power after step 12
+    (unplugged, then everything in it killed): the spare takes it like any other node, node
+    1's ranks keep their processes, every rank trains step 13 from step 12, and the job ends
+    bit-identical."""
+    import control_plane
+    from test_launcher import TOKEN
+
+    if why := control_plane.unavailable():
+        pytest.skip(why)
+    h = hosts(4)
+    control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=3)
+    cluster = spare_cluster(tmp_path, "node0", hosts=h, control=control, FT_FAULTS="pause:0:12")
+    try:
+        for n in (2, 0, 1):  # the spare first: warm before the loss
+            cluster.start(n)
+        assert poll(lambda: (cluster.marks / "paused").exists(), 180), explain(cluster.finish(1))
+        assert poll(lambda: any(e["kind"] == "spare_ready" for e in cluster.events(2)), 120)
+        time.sleep(1.0)  # the spare's first reports reach the controller
+        cut = time.time()
+        h.unplug(0)
+        cluster.lose(0)
+        run = cluster.finish(240)
+    finally:
+        cluster.close()
+        control.close()
+    assert run.codes[1] == run.codes[2] == 0, explain(run)
+    from flashckpt.faults.events import read_events
+
+    lost = [e for e in read_events(control.events_path) if e["kind"] == "node_lost"]
+    assert (lost[0]["action"], lost[0]["spares"]) == ("replace", {"node0": "node2"}), lost
+    fallbacks = [e for ev in run.events for e in ev if e["kind"] == "inprocess_fallback"]
+    assert not fallbacks, (fallbacks, explain(run))
+    for rank in (2, 3):  # node 1's ranks kept their processes through it
+        assert len(pids_of(run.logs[1], rank)) == 1, run.logs[1][-3000:]
+    kept, taken = restores(run.events[1]), restores(run.events[2])
+    assert {kept[r]["step"] for r in (2, 3)} == {12}, kept
+    assert sorted(taken) == [0, 1] and {e["step"] for e in taken.values()} == {12}, taken
+    assert run.digest == reference
+    back = first_step_after(run.events[2], cut)
+    assert back is not None, explain(run)
+    print(f"node 0 unplugged, then killed -> every rank trained again: {back - cut:.2f}s")

