@@ -184,6 +184,8 @@ class Controller:
         forgotten: gone, or it has taken a lost node and reports under that node's name."""
         now = time.monotonic() if now is None else now
         for name, job in self.jobs.items():
+            if self._deaf(name, job, now):
+                continue
             lost, short = [], None
             spares.forget_gone(job, now, self.node_timeout)
             for node_name, node in job.nodes.items():
@@ -212,6 +214,37 @@ class Controller:
             taking = self._spares_for(name, job, [n for _, n in fresh], silent, now)
             self._detect(name, job, "node_lost", [n for _, n in fresh], -1, fresh[0][0],
                          silent_s=silent, ranks=ranks, **taking)  # fmt: skip
+
+    def _deaf(self, name: str, job: JobState, now: float) -> bool:
+        """Whether this controller, with a node of ``job`` past the node timeout, has heard
+        from no node (spares included) within a heartbeat and a half: every node fell silent
+        at once, so its own network is the likely cause (or the whole job is down, and nothing
+        is left to kill), and no node is judged lost. Once one is heard again, the others are
+        given the node timeout to be heard too."""
+        nodes = job.nodes.values()
+        # Reports come every heartbeat: when one node's timeout runs out, the others were heard
+        # within a heartbeat and a half, unless this controller hears nobody.
+        recent = min(1.5 * self.heartbeat, self.node_timeout)
+        pending = any(now - n.last_seen > self.node_timeout and n.running() and not n.lost
+                      for n in nodes)  # fmt: skip
+        if pending and not any(now - n.last_seen <= recent for n in nodes):
+            if job.deaf_since is None:
+                log.warning("job %s: no node heard for %.0fs; this controller's own network may "
+                            "be cut: no node is judged lost until they are heard again", name,
+                            self.node_timeout)  # fmt: skip
+                self._record("controller_deaf", job=name, nodes=len(job.nodes))
+                job.deaf_since = now
+            job.heard_again = None
+            return True
+        if job.deaf_since is None:
+            return False
+        if job.heard_again is None:  # when the first was heard again
+            job.heard_again = max(n.last_seen for n in job.nodes.values())
+            log.info("job %s: nodes heard again after %.1fs", name, now - job.deaf_since)
+        if now - job.heard_again <= self.node_timeout:
+            return True
+        job.deaf_since = job.heard_again = None
+        return False
 
     def _spares_for(self, name: str, job: JobState, lost: list[str], silent: float,
                     now: float) -> dict:  # fmt: skip

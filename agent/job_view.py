@@ -90,3 +90,7 @@ class JobState:
     common: CommonSteps = field(default_factory=CommonSteps)  # steps on every node's NVMe
     # Lost nodes taken by a spare, by name; forgotten when the job restarts whole.
     taken: dict[str, Taken] = field(default_factory=dict)
+    # Since when no node was heard (the controller's own network cut?), and when one was
+    # heard again: nothing is judged lost meanwhile (``Controller._deaf``).
+    deaf_since: float | None = None
+    heard_again: float | None = None

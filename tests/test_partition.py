@@ -20,7 +20,7 @@ import netns
 import pytest
 from faults import is_dead, poll
 from test_launcher import explain, restores
-from test_spare_nodes import first_step_after, pids_of, spare_cluster
+from test_spare_nodes import INPROCESS, first_step_after, pids_of, spare_cluster
 
 PORT = 7777
 # Host 0: an echo service on its loopback address and on its switch address.
@@ -489,3 +489,51 @@ def test_node_0_losing_power_is_taken_by_the_spare_with_the_control_plane_off_th
     back = first_step_after(run.events[2], cut)
     assert back is not None, explain(run)
     print(f"node 0 unplugged, then killed -> every rank trained again: {back - cut:.2f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_training_goes_on_while_the_control_plane_is_unreachable_for_30_seconds(
+    hosts, tmp_path, reference
+):
+    """The control plane's host (etcd's rendezvous, the controller, the recovery store) is cut
+    off the network for 30 s while two nodes train (a step a second). Nothing acts on it:
+    the launchers wait for the rendezvous and the controller instead of exiting, the
+    controller, hearing from no node at all, finds none lost, and the job trains through it
+    (steps taken during the cut), restarts no worker and ends bit-identical."""
+    import control_plane
+    from test_launcher import TOKEN, Cluster
+
+    if why := control_plane.unavailable():
+        pytest.skip(why)
+    h = hosts(3)
+    control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=2)
+    cluster = Cluster(tmp_path, "cpcut", ({}, {}), trainer=INPROCESS, hosts=h,
+                      control=control, FT_FAULTS="mark:0:4,mark:0:20", FT_STEP_S="0.8",
+                      FLASHCKPT_RESTART_POLICY="in-process", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
+    try:
+        for n in (0, 1):
+            cluster.start(n)
+        assert poll(lambda: (cluster.marks / "mark-0-4").exists(), 180), explain(cluster.finish(1))
+        cut = time.time()
+        h.partition(2)
+        time.sleep(30)
+        h.heal(2)
+        healed = time.time()
+        run = cluster.finish(240)
+    finally:
+        cluster.close()
+        control.close()
+    assert run.codes == [0, 0], explain(run)
+    during = (cluster.marks / "mark-0-20").stat().st_mtime
+    assert cut < during < healed, (during - cut, healed - cut)  # it trained through the cut
+    for rank in range(4):
+        assert len(pids_of(run.logs[rank // 2], rank)) == 1, explain(run)  # never restarted
+    from flashckpt.faults.events import read_events
+
+    acted = [
+        e for e in read_events(control.events_path) if e["kind"] in ("node_lost", "worker_failed")
+    ]
+    assert not acted, acted
+    assert run.digest == reference
