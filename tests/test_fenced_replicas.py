@@ -92,7 +92,12 @@ def test_a_node_the_controller_declared_lost_is_refused_until_it_reports_again(n
     worker = pb.Worker(rank=0, pid=os.getpid(), phase="train", step=1, age_s=1.0, alive=True)
     controller.report(pb.NodeReport(job="pj", node="node0", agent_id="node0-a", workers=[worker],
                                     ranks=[0], world_size=1))  # fmt: skip
-    wait_for(lambda: controller.jobs["pj"].nodes["node0"].lost, 10, what="node0 lost")
+
+    def lost() -> bool:  # node1 reports on (the controller hears), node0 falls silent
+        cluster.report_address("node1", cluster.stores["node1"].address)
+        return controller.jobs["pj"].nodes["node0"].lost
+
+    wait_for(lost, 10, what="node0 lost")
     with pytest.raises(TierUnavailableError, match="controller declared node node0 lost"):
         asyncio.run(tier.put("pj/after", [memoryview(b"a")], 1))
     with pytest.raises(TierUnavailableError, match="declared node node0 lost"):

@@ -67,7 +67,9 @@ def test_a_lost_nodes_replica_stays_until_the_job_commits_a_newer_step():
     report(c, home, [("a", 12)], now=1)
     other = next(n for n in ("b", "c") if n != home)
     report(c, other, now=1)
-    c.tick(now=10)  # a falls silent: lost
+    report(c, home, [("a", 12)], now=9.5)  # the others report on: a falls silent, lost
+    report(c, other, now=9.5)
+    c.tick(now=10)
     assert c.jobs["j"].nodes["a"].lost
     assert not report(c, home, [("a", 12)], now=10).expired_replicas  # its restore needs it
     c.jobs["j"].commits["pfs:///ckpt"] = (0, 12)

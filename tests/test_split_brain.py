@@ -229,7 +229,8 @@ def test_the_agent_of_a_node_a_spare_took_is_refused_and_its_workers_killed(tmp_
     # (a kill) forgets what spares took.
     c.report(report("a", [worker(0, 100, 66)]), now=106)
     c.report(report("b", [worker(1, 300, 1.5)], agent="b-on-s1"), now=106)
-    c.tick(now=109.5)  # a and b both silent: no spare left, every worker restarts
+    c.report(spare("s2"), now=109)  # heard: the controller hears, and a and b are lost
+    c.tick(now=109.5)  # a and b both silent, one spare for two: every worker restarts
     assert not c.jobs[JOB].taken
     assert c.report(report("b", [worker(1, 200, 70)]), now=110).taken_by == ""
 
