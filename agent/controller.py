@@ -53,6 +53,10 @@ from .replica_map import ReplicaMap
 
 log = logging.getLogger(__name__)
 
+REDIAL_S = 5.0
+"""After a cut, how late a node's link may dial the controller again: it dials afresh every
+few seconds (a wait of 2 s for the stream's headers, then a heartbeat) until it is through."""
+
 DEFAULT_NODE_TIMEOUT = 5.0
 DEFAULT_HEARTBEAT = 1.0
 _KEPT_DETECTIONS = 100
@@ -220,7 +224,7 @@ class Controller:
         from no node (spares included) within a heartbeat and a half: every node fell silent
         at once, so its own network is the likely cause (or the whole job is down, and nothing
         is left to kill), and no node is judged lost. Once one is heard again, the others are
-        given the node timeout to be heard too. A job of one node has no witness: never."""
+        given the node timeout and ``REDIAL_S`` to be heard too. A job of one node has no witness: never."""
         nodes = job.nodes.values()
         # Reports come every heartbeat: when one node's timeout runs out, the others were heard
         # within a heartbeat and a half, unless this controller hears nobody.
@@ -242,7 +246,7 @@ class Controller:
         if job.heard_again is None:  # when the first was heard again
             job.heard_again = max(n.last_seen for n in job.nodes.values())
             log.info("job %s: nodes heard again after %.1fs", name, now - job.deaf_since)
-        if now - job.heard_again <= self.node_timeout:
+        if now - job.heard_again <= self.node_timeout + REDIAL_S:
             return True
         job.deaf_since = job.heard_again = None
         return False

@@ -208,20 +208,20 @@ def test_a_spare_is_told_a_failed_job_is_over_once_every_launcher_is_gone(events
 
 def test_a_controller_that_hears_no_node_judges_none_lost_until_they_are_heard_again(events):
     """Every node silent at once (the controller's own network cut, not theirs): none is
-    judged lost. Once one is heard again the others get the node timeout to be heard too;
-    one that stays silent is lost then."""
+    judged lost. Once one is heard again the others get the node timeout and a redial
+    (``REDIAL_S``) to be heard too; one that stays silent is lost then."""
     c = Controller(events, policy="restart", node_timeout=3, heartbeat=1)
     c.report(report("a", [worker(0, 100, 60)]), now=100)
     c.report(report("b", [worker(1, 200, 60)]), now=100)
     c.tick(now=104)
     c.tick(now=130)
     assert [e["kind"] for e in read_events(events.path)] == ["controller_deaf"]
-    for t in (130.5, 131.5, 132.5):  # a heard again, a report a heartbeat
-        c.report(report("a", [worker(0, 100, t - 40)]), now=t)
-        c.tick(now=t + 0.4)  # b has the node timeout to be heard too
+    for t in range(130, 138):  # a heard again, a report a heartbeat
+        c.report(report("a", [worker(0, 100, t - 40)]), now=t + 0.5)
+        c.tick(now=t + 0.9)  # b has the node timeout and a redial to be heard too
     assert [e["kind"] for e in read_events(events.path)] == ["controller_deaf"]
-    c.report(report("a", [worker(0, 100, 93.5)]), now=133.5)
-    c.tick(now=133.6)  # b still silent past the grace: lost
+    c.report(report("a", [worker(0, 100, 99.5)]), now=139.5)
+    c.tick(now=139.6)  # b still silent past the grace: lost
     lost = [e for e in read_events(events.path) if e["kind"] == "node_lost"]
     assert [e["nodes"] for e in lost] == [["b"]], lost
 

@@ -214,19 +214,24 @@ def events(run, kind: str) -> list[dict]:
     return [e for node in run.events for e in node if e["kind"] == kind]
 
 
-def check_left_behind(run, pid: int, at_end: tuple[str, bool], reaped: bool) -> None:
-    """The frozen rank was found hung in state D, killed, reported left behind within
-    ``KILL_TAKES_S`` (and a second or two of polling) of its kill, still held in the kernel
-    when the job ended, and reaped once thawed."""
-    hangs = [(e["rank"], e["process_state"]) for e in events(run, "hang_detected")
-             if e["worker_pid"] == pid]  # fmt: skip
-    assert hangs and set(hangs) == {(3, "D")}, hangs
-    killed = [e for e in events(run, "killed") if e["worker_pid"] == pid]
+def check_left_behind(run, pid: int, at_end: tuple[str, bool], reaped: bool,
+                      judged: bool = True) -> None:  # fmt: skip
+    """The frozen rank was reported left behind (in state D, its kill pending), still held in
+    the kernel when the job ended, and reaped once thawed. ``judged``: it was also found hung
+    in state D and killed by its node's watchdog, and reported left behind within
+    ``KILL_TAKES_S`` (and a second or two of polling) of that kill. (Under the restart policy
+    each node judges its own workers: the other node's blocked ranks may be judged first, and
+    the frozen rank is then killed when its group is stopped.)"""
     left = [e for e in events(run, "kill_not_taken") if e["worker_pid"] == pid]
-    assert killed and [(e["rank"], e["process_state"], e["kill_pending"]) for e in left] == [
-        (3, "D", True)
-    ], left
-    assert left[0]["time"] - killed[0]["time"] < reap.KILL_TAKES_S + 2, (killed, left)
+    found = [(e["rank"], e["process_state"], e["kill_pending"]) for e in left]
+    assert found == [(3, "D", True)], left
+    if judged:
+        hangs = [(e["rank"], e["process_state"]) for e in events(run, "hang_detected")
+                 if e["worker_pid"] == pid]  # fmt: skip
+        assert hangs and set(hangs) == {(3, "D")}, hangs
+        killed = [e for e in events(run, "killed") if e["worker_pid"] == pid]
+        assert killed, explain(run)
+        assert left[0]["time"] - killed[0]["time"] < reap.KILL_TAKES_S + 2, (killed, left)
     assert at_end == ("D", True), at_end
     assert reaped
 
@@ -287,7 +292,7 @@ def test_under_the_restart_policy_the_worker_group_restarts_without_the_frozen_o
     run, pid, at_end, reaped = run_frozen(tmp_path, "uk-policy", FLASHCKPT_RESTART_POLICY="restart")
     assert run.codes == [0, 0], explain(run)
     assert run.digest == reference
-    check_left_behind(run, pid, at_end, reaped)
+    check_left_behind(run, pid, at_end, reaped, judged=False)
     assert "takes the rank over" in "".join(run.logs), explain(run)
     # Restarted at once: TorchElastic's own stop waits 30 s for the SIGTERM, and then, from
     # torch 2.13, 30 s more for the SIGKILL (before it, forever).
