@@ -224,14 +224,14 @@ class Controller:
         from no node (spares included) within a heartbeat and a half: every node fell silent
         at once, so its own network is the likely cause (or the whole job is down, and nothing
         is left to kill), and no node is judged lost. Once one is heard again, the others are
-        given the node timeout and ``REDIAL_S`` to be heard too. A job of one node has no witness: never."""
+        given the node timeout and ``REDIAL_S`` to be heard too. Never for a job of one node:
+        it has no witness."""
         nodes = job.nodes.values()
         # Reports come every heartbeat: when one node's timeout runs out, the others were heard
         # within a heartbeat and a half, unless this controller hears nobody.
         recent = min(1.5 * self.heartbeat, self.node_timeout)
         pending = any(now - n.last_seen > self.node_timeout and n.running() and not n.lost
                       for n in nodes)  # fmt: skip
-        # One node alone is no witness: its silence is judged as before.
         if pending and len(nodes) > 1 and not any(now - n.last_seen <= recent for n in nodes):
             if job.deaf_since is None:
                 log.warning("job %s: no node heard for %.0fs; this controller's own network may "
