@@ -354,11 +354,12 @@ def start_until_step(cluster, rank: int, step: int) -> None:
     until(lambda: (cluster.marks / f"mark-{rank}-{step}").exists(), 180)
 
 
-def one_net_cluster(h, tmp_path, name: str):
+def training_cluster(h, tmp_path, name: str, **env: str):
     """2 nodes x 2 gloo ranks and a spare, in-process recovery, hang floor and node timeout
-    3 s, steps of 0.3 s (the job still trains when a fault strikes after step 12)."""
+    3 s, steps of 0.3 s (the job still trains when a fault strikes after rank 2's step 12,
+    its ``mark``)."""
     return spare_cluster(tmp_path, name, hosts=h, FT_FAULTS="mark:2:12", FT_STEP_S="0.3",
-                         FLASHCKPT_HANG_FLOOR="3")  # fmt: skip
+                         FLASHCKPT_HANG_FLOOR="3", **env)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -373,7 +374,7 @@ def test_a_host_cut_off_the_training_network_leaves_and_the_spare_takes_it(hosts
     by a standby that would stall again. The spare takes it; node 0's ranks keep their
     processes; the job ends bit-identical."""
     h = hosts(3, networks=2)
-    cluster = one_net_cluster(h, tmp_path, "cutoff")
+    cluster = training_cluster(h, tmp_path, "cutoff")
     try:
         start_until_step(cluster, 2, 12)
         cut = time.time()
@@ -420,9 +421,7 @@ def test_a_host_cut_off_the_management_network_is_fenced_and_the_spare_takes_it(
     finds nothing to rejoin and ends too."""
     h = hosts(3, networks=2)
     pfs = tmp_path / "mgmt-pfs"
-    cluster = spare_cluster(tmp_path, "mgmt", hosts=h, FT_TIERS=f"pfs://{pfs}",
-                            FT_FAULTS="mark:2:12", FT_STEP_S="0.3",
-                            FLASHCKPT_HANG_FLOOR="3")  # fmt: skip
+    cluster = training_cluster(h, tmp_path, "mgmt", FT_TIERS=f"pfs://{pfs}")
     try:
         start_until_step(cluster, 2, 12)
         log1 = (tmp_path / "mgmt-node1-1.log").read_text()

@@ -138,9 +138,10 @@ class JobCulprit:
             return []
         # Every rank posted in this round, this node's as it posted them: with a stopped
         # process here, every stopped one (``causes``), at once; else the causes among them.
-        every = self._every(prefix)
+        posters = self._posters(prefix)
+        every = self._every(prefix, posters)
         every += [s for s in mine if s not in every]
-        cut = self._cut_off(prefix, every, now - self._posted[prefix][0])
+        cut = self._cut_off(prefix, posters, every, now - self._posted[prefix][0])
         if cut is None:
             return []
         found = self.store.compare_set(culprit, "", _dumps(cut or causes(every)))
@@ -153,15 +154,16 @@ class JobCulprit:
         raw = self.store.get(f"{prefix}/posters").decode()
         return list(dict.fromkeys(json.loads(line) for line in raw.splitlines() if line))
 
-    def _every(self, prefix: str) -> list[Suspect]:
-        """Every rank the job's nodes posted in this round."""
+    def _every(self, prefix: str, posters: list[str]) -> list[Suspect]:
+        """Every rank the job's nodes (``posters``) posted in this round."""
         out = []
-        for node in self._posters(prefix):
+        for node in posters:
             raw = self.store.get(f"{prefix}/suspects/{node}")
             out.extend(Suspect(**one) for one in json.loads(raw))
         return out
 
-    def _cut_off(self, prefix: str, every: list[Suspect], since: float) -> list[Suspect] | None:
+    def _cut_off(self, prefix: str, posters: list[str], every: list[Suspect],
+                 since: float) -> list[Suspect] | None:  # fmt: skip
         """The nodes cut off the training network by what the posters reached (``reach``),
         as culprits: their posted ranks, or the node alone (rank -1) if it posted none. [] if
         none is; None while this node reached none of those it probed and one of them has not
@@ -169,7 +171,7 @@ class JobCulprit:
         if self.reach is None:
             return []
         reached = {}
-        for node in self._posters(prefix):
+        for node in posters:
             if self.store.check([key := f"{prefix}/reach/{node}"]):
                 reached[node] = json.loads(self.store.get(key))
         mine = reached.get(self.node, {})

@@ -106,15 +106,14 @@ class Reach:
     def probe(self, store: Any, node: str) -> dict[str, bool]:
         """Whether this node (``node``) reaches each of the next ``PROBE_FANOUT`` nodes (in
         name order, wrapping) that published an address: {their name: reached}."""
-        published = _published(store)
-        names = sorted(set(published) | {node})
+        names = sorted(set(_names(store)) | {node})
         at = names.index(node)
         others = [names[(at + i) % len(names)] for i in range(1, len(names))][:PROBE_FANOUT]
         if not others:
             return {}
+        addresses = [store.get(key(n)).decode() for n in others]  # theirs alone, not all
         with ThreadPoolExecutor(len(others), thread_name_prefix="flashckpt-probe") as pool:
-            reached = pool.map(lambda n: _connects(published[n]), others)
-            return dict(zip(others, reached, strict=True))
+            return dict(zip(others, pool.map(_connects, addresses), strict=True))
 
     def close(self) -> None:
         self._stop.set()
@@ -168,11 +167,10 @@ def route_address(host: str) -> str:
             return "127.0.0.1"
 
 
-def _published(store: Any) -> dict[str, str]:
-    """{node: host:port} of every node that published its listening address."""
+def _names(store: Any) -> list[str]:
+    """The nodes that published their listening address."""
     raw = store.get(NAMES).decode() if store.check([NAMES]) else ""
-    names = dict.fromkeys(json.loads(line) for line in raw.splitlines() if line)
-    return {n: store.get(key(n)).decode() for n in names}
+    return list(dict.fromkeys(json.loads(line) for line in raw.splitlines() if line))
 
 
 def _connects(address: str) -> bool:

@@ -151,7 +151,6 @@ class Spare:
         self.args, self.argv, self.job, self.events = args, argv, job, events
         self.launch_env, self.claim = launch_env, claim
         self.name = config.node_name()
-        self.halted = threading.Event()  # the spare's life is over: nothing more published
         self.run_dir = config.run_dir()
         self.shm_dir = config.shm_dir()
 
@@ -174,8 +173,9 @@ class Spare:
         supervisor.standbys.script = ["-m", script] if self.args.module else [script]
         supervisor.standbys.fill()
         self.agent = self._warm_agent()
+        # Published until it is: the listener lives as long as this process.
         self.reach = listen_for_probes(self.name, lambda: supervisor.store, self.args,
-                                       self.halted)  # fmt: skip
+                                       threading.Event())  # fmt: skip
         halt = threading.Event()
         threading.Thread(target=self._announce, args=(supervisor.standbys, halt), daemon=True,
                          name="flashckpt-spare-warm").start()  # fmt: skip
