@@ -322,9 +322,10 @@ def run_workers(launch: Launch) -> None:
     keeper = AgentKeeper(job, launch.run_dir, launch.shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
                      name="flashckpt-agent-keeper").start()  # fmt: skip
-    started = time.monotonic()
+    started, ended = time.monotonic(), False
     try:
         torchrun.run(launch.args)
+        ended = True
     except BaseException as exc:
         events.record("launcher_exited", ok=False, error=type(exc).__name__,
                       seconds=time.monotonic() - started)  # fmt: skip
@@ -334,18 +335,25 @@ def run_workers(launch: Launch) -> None:
         watch.stop()
         if reach is not None:
             reach.close()
-        clean_up(launch)
+        clean_up(launch, ended)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 
-def clean_up(launch: Launch) -> None:
+def clean_up(launch: Launch, ended: bool) -> None:
     """What a launcher that ran its workers holds, given up once they are done: the controller
-    it served, its files in the run directory, its claim on the job and the recovery store."""
+    it served, its files in the run directory, its claim on the job and the recovery store.
+
+    The controller file goes (its agent's writes are not leased any more: the job is over
+    here, what it holds may drain everywhere) when the run ``ended`` or this launcher served
+    the controller. A launcher that failed while reporting to another node's controller (the
+    rendezvous out of reach: this node may be cut off, and a spare may hold its ranks) leaves
+    it: its agent keeps taking that controller's word, and drains no shared tier without it."""
     run_dir, job = launch.run_dir, launch.job
     if launch.controller is not None:
         launch.controller.end_job(job)
         launch.controller.stop()
-    control.file_path(run_dir, job).unlink(missing_ok=True)
+    if ended or launch.controller is not None:
+        control.file_path(run_dir, job).unlink(missing_ok=True)
     control.launcher_path(run_dir, job).unlink(missing_ok=True)  # still held: given up
     os.close(launch.claim)
     if launch.recovery_store is not None:
