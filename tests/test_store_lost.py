@@ -1,6 +1,7 @@
 """A rank whose recovery store goes away (its host lost, the network cut) while it joins a
-round: it gives up on in-process recovery with ``EXIT_GAVE_UP`` and says why, so that its
-launcher restarts every worker, instead of a traceback its launcher would take for a lost
+round: it looks for the store again for as long as the round's deadline (the store may only be
+restarting), then gives up on in-process recovery with ``EXIT_GAVE_UP`` and says why, so that
+its launcher restarts every worker, instead of a traceback its launcher would take for a lost
 rank and hand to a standby."""
 
 from __future__ import annotations
@@ -31,21 +32,24 @@ def test_a_rank_whose_store_goes_away_while_it_joins_gives_up_and_says_why(tmp_p
     env = {**os.environ, STORE_ENV: f"127.0.0.1:{port}", NAMESPACE_ENV: "ns", "RANK": "0",
            "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "FLASHCKPT_EVENTS": str(events),
-           "FLASHCKPT_RECOVERY_DEADLINE": "60", "FLASHCKPT_RUN_DIR": str(tmp_path / "run"),
+           "FLASHCKPT_RECOVERY_DEADLINE": "15", "FLASHCKPT_RUN_DIR": str(tmp_path / "run"),
            "FLASHCKPT_SHM_DIR": str(tmp_path / "shm")}  # fmt: skip
     rank = subprocess.Popen([sys.executable, "-c", RANK], env=env, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60  # rank 0 waits in round 0 for rank 1, who never comes
+        deadline = time.monotonic() + 15  # rank 0 waits in round 0 for rank 1, who never comes
         while not store.check(["flashckpt/ns/round-0/arrived"]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert store.check(["flashckpt/ns/round-0/arrived"]), rank.stderr and rank.poll()
         del store  # the store's host is gone: its connections close
-        code = rank.wait(30)
+        gone = time.monotonic()
+        code = rank.wait(60)  # it looks for the store again as long as the round's deadline
+        waited = time.monotonic() - gone
     finally:
         rank.kill()
     err = rank.stderr.read()
     assert code == EXIT_GAVE_UP, err[-2000:]
+    assert waited < 15 + 10, waited
     assert "the recovery store cannot be reached" in err, err[-2000:]
     gave_up = [json.loads(line) for line in events.read_text().splitlines()
                if '"inprocess_gave_up"' in line]  # fmt: skip

@@ -33,7 +33,6 @@ rather than from when each node happened to look:
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
@@ -103,10 +102,9 @@ class JobCulprit:
         host, port = split_address(address, "the recovery store")
 
         def make() -> Any:
-            import torch.distributed as dist
+            from .store_client import StoreClient
 
-            return dist.TCPStore(host, port, is_master=False,
-                                 timeout=datetime.timedelta(seconds=10))  # fmt: skip
+            return StoreClient(host, port, timeout=10)  # outlives the store's restart
 
         return cls(make, node, where, reach=reach)
 

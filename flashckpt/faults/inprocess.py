@@ -57,6 +57,7 @@ from .collectives import Sampler
 from .events import EventLog
 from .release import Connections
 from .round_watch import NodeRound, RoundStore, RoundWatch, StoreRound, abort_all_groups
+from .store_client import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +203,11 @@ def last_round(store: Any, ns: str, rank: int) -> int:
     it claimed (a holder killed between claiming the rank and recording the round). Its
     replacement joins a later one: there the rank is free."""
     key = f"flashckpt/{ns}"
-    last, now = (int(store.get(k).decode()) if store.check([k]) else 0
-                 for k in (f"{key}/rank-{rank}/round", f"{key}/round"))  # fmt: skip
+    now = int(store.get(f"{key}/round").decode()) if store.check([f"{key}/round"]) else 0
+    mine = f"{key}/rank-{rank}/round"
+    # No record: the rank never formed a round, or the store restarted since (``store_client``)
+    # and the job's round, put back by the nodes, is the one it was in.
+    last = int(store.get(mine).decode()) if store.check([mine]) else now
     for n in range(last + 1, now + 1):
         if store.check([f"{key}/round-{n}/claim-{rank}"]):
             last = n
@@ -216,6 +220,7 @@ def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
     Whoever moves it records the step of the fault, for the recovery budget."""
     key = f"flashckpt/{ns}"
     nxt = past + 1
+    store.compare_set(f"{key}/round", "", str(past))  # a store restarted since: round ``past``
     found = int(store.compare_set(f"{key}/round", str(past), str(nxt)).decode())
     now = max(nxt, found)
     store.set(f"{key}/round-{past}/over", str(now))
@@ -224,6 +229,16 @@ def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
     if store.add(f"{key}/round-{past}/moved", 1) == 1:
         store.append(f"{key}/recoveries", f"{-1 if step is None else step},")
     return now
+
+
+def restore_round(store: Any, ns: str, round: int) -> int:
+    """Put the job's round back in a store that restarted: at least ``round`` (a node's
+    newest), whichever node comes first; the job's round now."""
+    key = f"flashckpt/{ns}/round"
+    seen = store.compare_set(key, "", str(round)).decode()
+    while int(seen) < round:
+        seen = store.compare_set(key, seen, str(round)).decode()
+    return int(seen)
 
 
 @dataclass(frozen=True)
@@ -281,8 +296,7 @@ class Rounds:
         from .control import split_address
 
         host, port = split_address(address, STORE_ENV)
-        self.store = dist.TCPStore(host, port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=deadline))  # fmt: skip
+        self.store = StoreClient(host, port, deadline)  # outlives the store's restart
         self.ns = namespace(os.environ)
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.backend, self.deadline = backend, deadline

@@ -24,7 +24,6 @@ barrier.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import logging
 import os
@@ -55,10 +54,19 @@ from .inprocess import (
     last_round,
     move_round,
     namespace,
+    restore_round,
 )
 from .reap import BoundedAgent, Overdue, reap
-from .spare_marks import publish_node, run_ended, run_started, was_replaced
+from .spare_marks import (
+    mark_replaced,
+    publish_node,
+    run_ended,
+    run_key,
+    run_started,
+    was_replaced,
+)
 from .standby import READY_FD_ENV, SCRIPT_ENV
+from .store_client import StoreClient, forget, on_new_store
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +167,12 @@ class RoundRelay(threading.Thread):
     def run(self) -> None:
         key = f"flashckpt/{self.ns}"
         round: int | None = None
-        store = None
+        store: StoreClient | None = None
+        away: float | None = None  # since when the store has not answered
         while not self.halt.wait(0 if round is None else self.interval):
             try:
                 if store is None:
-                    store = dist.TCPStore(*self.address, is_master=False,
-                                          timeout=datetime.timedelta(seconds=10))  # fmt: skip
+                    store = StoreClient(*self.address, timeout=10)
                 if round is None or store.check([f"{key}/round-{round}/over"]):
                     now = int(store.get(f"{key}/round").decode()) if store.check(
                         [f"{key}/round"]) else 0  # fmt: skip
@@ -172,8 +180,16 @@ class RoundRelay(threading.Thread):
                         round = now
                         write_atomic(self.path, str(round).encode())
                         self.round = round
-            except Exception as exc:  # a store blip: look again next time
-                log.debug("round relay: %s", exc)
+                if away is not None:
+                    log.warning("the recovery store answers again after %.1fs",
+                                time.monotonic() - away)  # fmt: skip
+                    away = None
+            except Exception as exc:  # the store away: training goes on, look again
+                if away is None:
+                    away = time.monotonic()
+                    log.warning("the recovery store does not answer (%s): training goes on; "
+                                "a fault meanwhile restarts every worker",
+                                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
                 store = None
 
 
@@ -185,7 +201,9 @@ class Supervisor:
         self.address = (host, port)
         self._store: Any = None
         self.store  # noqa: B018  (connected now: the store must answer before workers start)
+        on_new_store(self._put_back)
         self.relay: RoundRelay | None = None
+        self._published: tuple[str, list[str], int, dict[int, dict]] | None = None
         self.events, self.deadline = events, deadline
         self.standbys = Standbys(standbys, events)
         self.members: dict[int, Member] = {}  # local rank -> member
@@ -218,10 +236,11 @@ class Supervisor:
         ns = namespace(next(iter(self.members.values())).env)
         self._relay(ns)
         self.standbys.fill()
+        self._published = (ns, list(self.args), self.world,
+                           {w.global_rank: envs[w.local_rank] for w in wg.workers})  # fmt: skip
         try:  # what a spare node needs to take this node's ranks if the node is lost whole
             run_started(self.store, self.job, ns)
-            publish_node(self.store, config.node_name(), ns, list(self.args), self.world,
-                         {w.global_rank: envs[w.local_rank] for w in wg.workers})  # fmt: skip
+            publish_node(self.store, config.node_name(), *self._published)
         except Exception as exc:  # the store out of reach: no spare can take this node
             log.warning("this node's workers are not published for a spare node: %s", exc)
 
@@ -234,6 +253,25 @@ class Supervisor:
         self.args, self.world, self.recovery = tuple(args), world, recovery
         self._relay(namespace(next(iter(self.members.values())).env))
         self.standbys.fill()
+
+    def _put_back(self, store: Any) -> None:
+        """The recovery store restarted (``store_client``): put back what this node knows. The
+        job's round (each rank without a record of its own is taken to be in it), then, for a
+        node running its own ranks, the job's current run and what a spare needs to take them;
+        for a spare running a lost node's, its mark on that node."""
+        if not self.members:
+            return
+        ns = namespace(next(iter(self.members.values())).env)
+        if self.relay is not None and self.relay.round is not None:
+            now = restore_round(store, ns, self.relay.round)
+            log.warning("recovery store put back: round %d of %s", now, ns)
+        node = config.node_name()
+        if self.holder != node:  # a spare: it holds ``node``'s ranks
+            mark_replaced(store, self.job, node, self.holder, ns)
+            store.append(f"flashckpt/{ns}/replaced", f"{node},")
+        elif self._published is not None and self._published[0] == ns:
+            store.compare_set(run_key(self.job), "", ns)
+            publish_node(store, node, *self._published)
 
     def _relay(self, ns: str) -> None:
         if path := os.environ.get(ROUND_FILE_ENV):  # a new worker group: a new namespace
@@ -289,6 +327,7 @@ class Supervisor:
         self.stop()
         self.standbys.close()
         self._stop_relay()
+        forget(self._put_back)
 
     def _stop_relay(self) -> None:
         """End the relay before the process exits (a thread in a store call at exit takes
@@ -304,8 +343,7 @@ class Supervisor:
         """The launcher's client of the job's recovery store, connected again after a failure
         (``monitor``)."""
         if self._store is None:
-            self._store = dist.TCPStore(*self.address, is_master=False,
-                                        timeout=datetime.timedelta(seconds=30))  # fmt: skip
+            self._store = StoreClient(*self.address, timeout=30)
         return self._store
 
     def monitor(self, original: Any, pcontext: Any) -> RunResult:

@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .store_client import forget, on_new_store
+
 log = logging.getLogger(__name__)
 
 EXIT_CUT_OFF = 78
@@ -88,7 +90,9 @@ class Reach:
         self.sock = socket.create_server((address, 0), backlog=64)
         self.address = f"{address}:{self.sock.getsockname()[1]}"
         self._stop = threading.Event()
+        self.published: str | None = None  # the node's name this address was published as
         threading.Thread(target=self._serve, name="flashckpt-reach", daemon=True).start()
+        on_new_store(self._put_back)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -102,6 +106,12 @@ class Reach:
         """Say in the job's recovery store where ``node`` (this node) listens."""
         store.set(key(node), self.address)
         store.append(NAMES, json.dumps(node) + "\n")
+        self.published = node
+
+    def _put_back(self, store: Any) -> None:
+        """The recovery store restarted (``store_client``): this node's address again."""
+        if self.published is not None:
+            self.publish(store, self.published)
 
     def probe(self, store: Any, node: str) -> dict[str, bool]:
         """Whether this node (``node``) reaches each of the next ``PROBE_FANOUT`` nodes (in
@@ -116,6 +126,7 @@ class Reach:
             return dict(zip(others, pool.map(_connects, addresses), strict=True))
 
     def close(self) -> None:
+        forget(self._put_back)
         self._stop.set()
         with contextlib.suppress(OSError):
             self.sock.close()

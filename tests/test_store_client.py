@@ -1,0 +1,103 @@
+"""A recovery-store client across the store's restart (``store_client``), and the round kept
+across it (``inprocess.restore_round``, ``move_round``, ``last_round``): a real ``TCPStore``
+server in a process of its own, killed with -9 and started again on the same port."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+from ports import free_port
+
+from flashckpt.faults import store_client
+from flashckpt.faults.inprocess import last_round, move_round, restore_round
+from flashckpt.faults.store_client import StoreClient
+
+SERVER = """
+import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("up", flush=True)
+time.sleep(3600)
+"""
+
+
+class Server:
+    def __init__(self):
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(self.port)],
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert self.proc.stdout.readline().strip() == "up"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.kill()
+
+
+@pytest.fixture
+def put_back():
+    """What this process puts back into a new store: records each store it is given."""
+    given: list = []
+
+    def action(store) -> None:
+        given.append(store)
+        store.set("put-back", "yes")
+
+    store_client.on_new_store(action)
+    yield given
+    store_client.forget(action)
+
+
+def test_a_client_connects_again_to_a_restarted_store_and_puts_back_once(server, put_back):
+    a = StoreClient("127.0.0.1", server.port, timeout=10)
+    b = StoreClient("127.0.0.1", server.port, timeout=10)
+    a.set("k", "1")
+    assert b.get("k") == b"1" and not put_back  # the same store: nothing to put back
+    server.kill()
+    server.start()
+    assert not a.check(["k"])  # a new, empty store: the call made again on it
+    assert a.get("put-back") == b"yes" and len(put_back) == 1 and a.reconnects == 1
+    assert not b.check(["k"]) and len(put_back) == 1  # once for the process, not per client
+
+
+def test_a_client_gives_up_when_the_store_stays_away(server):
+    a = StoreClient("127.0.0.1", server.port, timeout=1)
+    server.kill()
+    with pytest.raises(dist.DistNetworkError):
+        a.get("k")
+
+
+def test_the_round_survives_the_stores_restart(server):
+    c = StoreClient("127.0.0.1", server.port, timeout=10)
+    assert move_round(c, "ns", 0, 5) == 1 and move_round(c, "ns", 1, 6) == 2
+    c.set("flashckpt/ns/rank-3/round", "2")
+    server.kill()
+    server.start()
+    # The nodes put back the newest round any of them knows, whichever comes first.
+    assert restore_round(c, "ns", 1) == 1
+    assert restore_round(c, "ns", 2) == 2 and restore_round(c, "ns", 1) == 2
+    # A rank with no record of its own is taken to be in the job's round: its replacement
+    # joins the next one, where the survivors go.
+    assert last_round(c, "ns", 3) == 2
+    assert move_round(c, "ns", 2, 7) == 3
+
+
+def test_a_round_moved_on_a_restarted_store_before_any_node_put_it_back(server):
+    c = StoreClient("127.0.0.1", server.port, timeout=10)
+    move_round(c, "ns", 0, None)
+    server.kill()
+    server.start()
+    assert move_round(c, "ns", 1, None) == 2  # not round 1 again: the mover knew it left 1
+    assert c.get("flashckpt/ns/round") == b"2"
