@@ -90,13 +90,15 @@ class Controller:
             old = node or Node("", now)
             node = job.nodes[r.node] = Node(r.agent_id, now, kill=old.kill, handled=old.handled,
                                             tiers=old.tiers, taking=old.taking,
+                                            joining=old.joining,
                                             lost_silent_s=old.lost_silent_s)  # fmt: skip
         node.last_seen, node.lost = now, False
         node.spare = r.spare
         if r.spare:  # runs nothing: heard only to be handed a lost node, or told it is over
+            busy = node.taking or node.joining
             return pb.ReportReply(heartbeat_s=self.heartbeat, seq=r.seq, take_node=node.taking,
-                                  lost_silent_s=node.lost_silent_s,
-                                  job_over=not node.taking and spares.job_over(
+                                  lost_silent_s=node.lost_silent_s, join_node=node.joining,
+                                  job_over=not busy and spares.job_over(
                                       job, now, self.node_timeout))  # fmt: skip
         node.workers = {w.pid: Seen(w, now - w.age_s) for w in r.workers}
         node.ranks, node.world_size = frozenset(r.ranks), r.world_size
@@ -255,7 +257,9 @@ class Controller:
                     now: float) -> dict:  # fmt: skip
         """Under in-process recovery, a free spare for each node in ``lost``, each told to take
         its node (``{"spares": {lost: spare}}``); else why not (``{"fallback": why}``), and the
-        job restarts whole."""
+        job restarts whole: then each free spare is told to join the restart as one of the lost
+        nodes (``{"joining": {lost: spare}}``), so that it has as many of its nodes as there
+        were spares, and the scheduler brings back the others."""
         if self.policy != "in-process":
             return {}
         # Heard within the last heartbeat and a half (a spare reports twice a heartbeat): a spare
@@ -263,8 +267,15 @@ class Controller:
         fresh = min(self.node_timeout, 1.5 * self.heartbeat)
         free = spares.free(job, now, fresh)
         if len(free) < len(lost):
+            joining = dict(zip(lost, free, strict=False))
+            for node_name, spare_name in joining.items():
+                job.nodes[spare_name].joining = node_name
+                if deliver := self.watchers.get((name, spare_name)):
+                    deliver(pb.ReportReply(heartbeat_s=self.heartbeat, join_node=node_name))
             return {"fallback": f"{len(lost)} node(s) lost and {len(free)} free spare node(s) "
-                                "(flashckpt-run --spare): every worker restarts"}  # fmt: skip
+                                "(flashckpt-run --spare): every worker restarts"
+                                + (f", the spare(s) joining as {', '.join(joining)}"
+                                   if joining else ""), "joining": joining}  # fmt: skip
         chosen = dict(zip(lost, free, strict=False))
         for node_name, spare_name in chosen.items():
             gone = job.nodes[node_name]

@@ -38,6 +38,7 @@ class Node:
     ran: bool = False  # this agent has reported a running worker
     spare: bool = False  # a spare node (``flashckpt-run --spare``): runs nothing, takes a node
     taking: str = ""  # a spare told to take this lost node's ranks
+    joining: str = ""  # a spare told to join the job's restart as this lost node
     lost_silent_s: float = 0.0  # (taking) how long that node had been silent when found lost
 
     def running(self) -> bool:

@@ -18,7 +18,8 @@ def free(job: JobState, now: float, fresh_s: float) -> list[str]:
     """The spares free to take a lost node, in name order: heard within ``fresh_s`` (one lost
     with the nodes it would take must not be handed one) and taking none yet."""
     return sorted(k for k, n in job.nodes.items()
-                  if n.spare and not n.taking and now - n.last_seen <= fresh_s)  # fmt: skip
+                  if n.spare and not n.taking and not n.joining
+                  and now - n.last_seen <= fresh_s)  # fmt: skip
 
 
 def job_over(job: JobState, now: float, timeout: float) -> bool:

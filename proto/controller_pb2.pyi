@@ -87,7 +87,7 @@ class NodeReport(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., agent_id: _Optional[str] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierCommit, _Mapping]]] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., peer_address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common", "take_node", "lost_silent_s", "job_over", "taken_by")
+    __slots__ = ("expired_replicas", "kill_pids", "heartbeat_s", "seq", "common_known", "common", "take_node", "lost_silent_s", "job_over", "taken_by", "join_node")
     EXPIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     KILL_PIDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ReportReply(_message.Message):
     LOST_SILENT_S_FIELD_NUMBER: _ClassVar[int]
     JOB_OVER_FIELD_NUMBER: _ClassVar[int]
     TAKEN_BY_FIELD_NUMBER: _ClassVar[int]
+    JOIN_NODE_FIELD_NUMBER: _ClassVar[int]
     expired_replicas: _containers.RepeatedScalarFieldContainer[str]
     kill_pids: _containers.RepeatedScalarFieldContainer[int]
     heartbeat_s: float
@@ -108,7 +109,8 @@ class ReportReply(_message.Message):
     lost_silent_s: float
     job_over: bool
     taken_by: str
-    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ..., take_node: _Optional[str] = ..., lost_silent_s: _Optional[float] = ..., job_over: _Optional[bool] = ..., taken_by: _Optional[str] = ...) -> None: ...
+    join_node: str
+    def __init__(self, expired_replicas: _Optional[_Iterable[str]] = ..., kill_pids: _Optional[_Iterable[int]] = ..., heartbeat_s: _Optional[float] = ..., seq: _Optional[int] = ..., common_known: _Optional[bool] = ..., common: _Optional[_Iterable[_Union[StepKey, _Mapping]]] = ..., take_node: _Optional[str] = ..., lost_silent_s: _Optional[float] = ..., job_over: _Optional[bool] = ..., taken_by: _Optional[str] = ..., join_node: _Optional[str] = ...) -> None: ...
 
 class HoldersRequest(_message.Message):
     __slots__ = ("job", "node", "hop", "failure_domain", "named")

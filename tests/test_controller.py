@@ -152,7 +152,13 @@ def test_nodes_lost_beyond_the_free_spares_restart_the_job_and_say_why(events):
     assert (lost["action"], lost["nodes"]) == ("kill", ["b", "c"])
     assert "2 node(s) lost and 1 free spare node(s)" in lost["fallback"]
     assert lost["ordered"]["a"] == [100]  # the healthy node's workers restart too
-    assert c.report(spare("s2"), now=103.6).take_node == ""  # not half a replacement
+    reply = c.report(spare("s2"), now=103.6)
+    assert reply.take_node == ""  # not half a replacement
+    # It joins the restart as one of the lost nodes, so that the restart has its node count
+    # once the scheduler brings the other back; told until it stops reporting as a spare.
+    assert (reply.join_node, lost["joining"]) == ("b", {"b": "s2"}), lost
+    assert not reply.job_over and "joining as b" in lost["fallback"]
+    assert c.report(spare("s2"), now=104).join_node == "b"
 
 
 def test_a_spare_not_heard_for_a_heartbeat_and_a_half_is_not_handed_a_node(events):

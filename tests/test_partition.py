@@ -536,3 +536,63 @@ def test_training_goes_on_while_the_control_plane_is_unreachable_for_30_seconds(
     ]
     assert not acted, acted
     assert run.digest == reference
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
+def test_two_hosts_losing_power_with_one_spare_restart_the_job_once_with_the_spare_in_it(
+    hosts, tmp_path, reference3
+):
+    """Three training nodes, one spare, the control plane on a host of its own. Nodes 1 and 2
+    lose power together after step 12: one spare cannot take both, so the job restarts whole,
+    once. The spare joins the restart as one of them (the controller tells it to), the
+    scheduler brings the other back on its host, and the job ends bit-identical."""
+    import control_plane
+    from test_launcher import TOKEN
+
+    if why := control_plane.unavailable():
+        pytest.skip(why)
+    h = hosts(5)
+    control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=4)
+    cluster = spare_cluster(tmp_path, "twolost", nodes=4, hosts=h, control=control)
+    try:
+        for n in (3, 0, 1, 2):  # the spare first: warm before the loss
+            cluster.start(n)
+        assert poll(lambda: (cluster.marks / "paused").exists(), 180), explain(cluster.finish(1))
+        assert poll(lambda: any(e["kind"] == "spare_ready" for e in cluster.events(3)), 120)
+        time.sleep(1.0)  # the spare's first reports reach the controller
+        for n in (1, 2):
+            h.unplug(n)
+        for n in (1, 2):
+            cluster.lose(n)
+        from flashckpt.faults.events import read_events
+
+        def lost() -> list[dict]:
+            return [e for e in read_events(control.events_path) if e["kind"] == "node_lost"]
+
+        def found() -> set[str]:
+            return {n for e in lost() for n in e["nodes"]}
+
+        assert poll(lambda: found() == {"node1", "node2"}, 60), explain(cluster.finish(1))
+        # Found in one tick: one detection, and the spare joins the restart as one of them;
+        # a tick apart: the spare takes the first, and joins the restart as it (its round
+        # cannot form without the second).
+        first = lost()[0]
+        (joined, spare), *_ = (first.get("joining") or first.get("spares")).items()
+        assert spare == "node3" and (first["action"] == "kill") == (len(first["nodes"]) == 2)
+        back = 3 - int(joined.removeprefix("node"))  # the lost node the spare is not
+        h.heal(back)
+        cluster.start(back)  # the scheduler's fresh start of that node's task
+        run = cluster.finish(300)
+    finally:
+        cluster.close()
+        control.close()
+    assert [run.codes[n] for n in (0, back, 3)] == [0, 0, 0], explain(run)
+    for rank in (0, 1):  # node 0's ranks restarted once: one full restart
+        assert len(pids_of(run.logs[0], rank)) == 2, run.logs[0][-3000:]
+    assert re.search(rf"joins the (job's )?restart as (that )?node( {joined})?", run.logs[3]), (
+        run.logs[3][-3000:])  # fmt: skip
+    assert run.digest == reference3
+    print(f"nodes 1 and 2 lost: {len(lost())} detection(s), the spare ran as {joined}, one "
+          "full restart")

@@ -81,11 +81,12 @@ def split_flag(argv: list[str]) -> tuple[list[str], bool]:
 
 
 async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event,
-                        interval: float = 0.5) -> tuple[str, float]:  # fmt: skip
-    """Report to the job's controller as a spare until it names a lost node to take: (that
-    node, how long it had been silent when found lost); ("", 0) when the job is over (the
-    controller says so, or has not answered for ORPHAN_S). Reconnects while the controller is
-    down or not known yet."""
+                        interval: float = 0.5) -> tuple[str, float, bool]:  # fmt: skip
+    """Report to the job's controller as a spare until it names a lost node: (that node, how
+    long it had been silent when found lost, whether to join the job's restart as it rather
+    than take its ranks in-process); ("", 0, False) when the job is over (the controller says
+    so, or has not answered for ORPHAN_S). Reconnects while the controller is down or not
+    known yet."""
     import grpc
 
     from flashckpt.proto import controller_pb2 as pb
@@ -112,7 +113,7 @@ async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event
             log.warning("spare %s: no controller of job %s has answered for %.0fs: the job is "
                         "over, or its first node is lost with the controller; exiting", name,
                         job, ORPHAN_S)  # fmt: skip
-            return "", 0.0
+            return "", 0.0, False
         endpoint = Endpoint.load(run_dir, job)
         if endpoint is None:
             await asyncio.sleep(every[0])
@@ -125,9 +126,11 @@ async def wait_for_node(job: str, name: str, run_dir: Any, halt: threading.Event
                 warned, heard = "", time.monotonic()
                 if reply.job_over:
                     log.info("spare %s: job %s is over", name, job)
-                    return "", 0.0
+                    return "", 0.0, False
                 if reply.take_node:
-                    return reply.take_node, reply.lost_silent_s
+                    return reply.take_node, reply.lost_silent_s, False
+                if reply.join_node:
+                    return reply.join_node, 0.0, True
                 if reply.heartbeat_s > 0:  # twice a heartbeat: heard as fresh (controller)
                     every[0] = min(reply.heartbeat_s / 2, 1.0)
         except grpc.aio.AioRpcError as exc:
@@ -180,16 +183,20 @@ class Spare:
         threading.Thread(target=self._announce, args=(supervisor.standbys, halt), daemon=True,
                          name="flashckpt-spare-warm").start()  # fmt: skip
         try:
-            lost, silent = asyncio.run(wait_for_node(self.job, self.name, self.run_dir, halt))
+            lost, silent, join = asyncio.run(wait_for_node(self.job, self.name, self.run_dir,
+                                                           halt))  # fmt: skip
         finally:
             halt.set()  # the standbys are taken from here on: no more looking at them
-        if not lost:
-            if self.agent is not None:
-                from .reap import reap
+        if (not lost or join) and self.agent is not None:  # a launcher starts its own
+            from .reap import reap
 
-                reap(self.agent, None, self.events, "stopping the spare's agent")
+            reap(self.agent, None, self.events, "stopping the spare's agent")
+        if not lost:
             supervisor.close()
             return 0
+        if join:
+            return self._become(lost, f"more nodes were lost than spares were free: spare "
+                                      f"{self.name} joins the job's restart as node {lost}")  # fmt: skip
         told = time.monotonic()
         log.warning("spare %s takes the ranks of lost node %s", self.name, lost)
         try:
@@ -197,7 +204,8 @@ class Spare:
         except Exception as exc:  # the store out of reach too: the restart takes over
             log.error("spare %s cannot take node %s: %s", self.name, lost, exc)
             self.events.record("spare_failed", lost_node=lost, reason=str(exc)[:300])
-            return self._become(lost)
+            return self._become(lost, f"spare {self.name} could not run node {lost} "
+                                      "in-process: it joins the restart as that node")  # fmt: skip
         return self._supervise(supervisor, lost, target, told, silent)
 
     def _announce(self, standbys: Any, halt: threading.Event) -> None:
@@ -347,7 +355,8 @@ class Spare:
                 time.sleep(0.1)
         finally:
             watch.stop()
-        return self._become(lost)
+        return self._become(lost, f"spare {self.name}'s in-process run of node {lost} ended (its "
+                                  "recovery gave up): it joins the restart as that node")  # fmt: skip
 
     def _replaced(self, lost: str, target: int, pids: set[int], told: float, formed_at: float,
                   silent: float) -> bool:  # fmt: skip
@@ -370,15 +379,13 @@ class Spare:
                  lost, self.name, target, formed_at - told, silent, steps, sources)  # fmt: skip
         return True
 
-    def _become(self, lost: str) -> int:
+    def _become(self, lost: str, why: str) -> int:
         """Run ``flashckpt-run`` again as node ``lost`` (no longer a spare): the job's full
         restart waits for every node, this one included."""
         from .inprocess_agent import RecoveringAgent
 
-        log.error("spare %s: in-process replacement of node %s ends; joining the job's restart as "
-                  "node %s", self.name, lost, lost)  # fmt: skip
-        self.events.record("inprocess_fallback", reason=f"spare {self.name} could not run node "
-                           f"{lost} in-process: it joins the restart as that node")  # fmt: skip
+        log.error("spare %s: %s", self.name, why)
+        self.events.record("inprocess_fallback", reason=why)
         supervisor = RecoveringAgent.supervisor
         with contextlib.suppress(Exception):
             unmark_replaced(supervisor.store, self.job, lost, self.name)
