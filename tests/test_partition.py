@@ -594,5 +594,7 @@ def test_two_hosts_losing_power_with_one_spare_restart_the_job_once_with_the_spa
     assert re.search(rf"joins the (job's )?restart as (that )?node( {joined})?", run.logs[3]), (
         run.logs[3][-3000:])  # fmt: skip
     assert run.digest == reference3
-    print(f"nodes 1 and 2 lost: {len(lost())} detection(s), the spare ran as {joined}, one "
-          "full restart")
+    print(
+        f"nodes 1 and 2 lost: {len(lost())} detection(s), the spare ran as {joined}, one "
+        "full restart"
+    )
