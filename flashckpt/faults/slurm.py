@@ -16,6 +16,15 @@ needs four things from them, printed as shell ``export`` lines for ``eval``:
 With ``FLASHCKPT_SPARES=K`` the last K nodes of the allocation (by ``SLURM_NODEID``) are the
 job's spare nodes: ``FLASHCKPT_NNODES`` counts the others, and a spare gets
 ``FLASHCKPT_SPARE=1`` (``flashckpt-run --spare``: it takes a lost node's ranks in-process).
+
+With ``FLASHCKPT_CONTROL_NODE=1`` the first node of the allocation trains nothing: it serves the
+job's control plane (etcd for the rendezvous, the controller with the recovery store) in a job
+step of its own, so that no training node's loss takes it. That node gets
+``FLASHCKPT_CONTROL=1``; every node gets ``FLASHCKPT_CONTROL_HOST`` (the first host), and
+``FLASHCKPT_NNODES`` counts the training nodes alone. A node's place in the allocation is then
+its name's (``SLURMD_NODENAME``) in the node list, else ``SLURM_NODEID``: the control plane and
+the training run as two job steps, whose node ids each count from 0. Without it, the first
+node trains and hosts the rendezvous and the controller, and its loss ends the job.
 """
 
 from __future__ import annotations
@@ -90,19 +99,23 @@ def _expand_one(name: str, whole: str) -> list[str]:
     return [h + rest for h in out for rest in _expand_one(tail, whole)]
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of ``nodelist``: ``scontrol show hostnames`` where it is installed
-    (Slurm's own reading), else ``expand``."""
+def all_hosts(nodelist: str) -> list[str]:
+    """The hosts of ``nodelist``: ``scontrol show hostnames`` where it is installed (Slurm's
+    own reading), else ``expand``."""
     scontrol = shutil.which("scontrol")
     if scontrol:
         try:
             out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
                                  text=True, timeout=30, check=True).stdout.split()  # fmt: skip
             if out:
-                return out[0]
+                return out
         except (OSError, subprocess.SubprocessError):
             pass  # not usable here: the list is expanded the same way below
-    return expand(nodelist)[0]
+    return expand(nodelist)
+
+
+def first_host(nodelist: str) -> str:
+    return all_hosts(nodelist)[0]
 
 
 def job_name(env: Mapping[str, str]) -> str:
@@ -126,14 +139,48 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
     if not nodelist:
         raise ConfigError("no SLURM_JOB_NODELIST: run this under srun, inside an allocation")
     nnodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or str(len(expand(nodelist)))
-    spares = _spares(env, int(nnodes))
-    out = {"FLASHCKPT_RDZV_HOST": first_host(nodelist), "FLASHCKPT_NNODES": str(int(nnodes) - spares),
+    control = _control_node(env)
+    spares = _spares(env, int(nnodes) - control)
+    first = first_host(nodelist)
+    place = _place(env, nodelist) if control else int(env.get("SLURM_NODEID") or 0)
+    out = {"FLASHCKPT_RDZV_HOST": first,
+           "FLASHCKPT_NNODES": str(int(nnodes) - control - spares),
            "FLASHCKPT_JOB": job_name(env)}  # fmt: skip
     if env.get("SLURMD_NODENAME"):
         out["FLASHCKPT_NODE"] = env["SLURMD_NODENAME"]
-    if spares and int(env["SLURM_NODEID"]) >= int(nnodes) - spares:
+    if control:
+        out["FLASHCKPT_CONTROL_HOST"] = first
+        if place == 0:
+            out["FLASHCKPT_CONTROL"] = "1"
+    if spares and place >= int(nnodes) - spares:
         out["FLASHCKPT_SPARE"] = "1"
     return out
+
+
+def _place(env: Mapping[str, str], nodelist: str) -> int:
+    """This node's place in the allocation: its name's in the node list, else SLURM_NODEID."""
+    name = env.get("SLURMD_NODENAME", "")
+    if name:
+        hosts = all_hosts(nodelist)
+        if name in hosts:
+            return hosts.index(name)
+    nodeid = env.get("SLURM_NODEID", "")
+    if not nodeid.isdigit():
+        raise ConfigError(f"SLURMD_NODENAME {name!r} is not in SLURM_JOB_NODELIST {nodelist!r} and "
+                          "there is no SLURM_NODEID: run this under srun, one task a node")  # fmt: skip
+    return int(nodeid)
+
+
+def _control_node(env: Mapping[str, str]) -> int:
+    """``FLASHCKPT_CONTROL_NODE``: 1 if the allocation's first node serves the control plane."""
+    text = env.get("FLASHCKPT_CONTROL_NODE", "0").strip() or "0"
+    if text not in ("0", "1"):
+        raise ConfigError(f"FLASHCKPT_CONTROL_NODE={text!r}: set it to 1 (the allocation's first "
+                          "node serves the control plane and trains nothing) or 0")  # fmt: skip
+    if text == "1" and not (env.get("SLURMD_NODENAME") or env.get("SLURM_NODEID", "").isdigit()):
+        raise ConfigError("FLASHCKPT_CONTROL_NODE needs SLURMD_NODENAME or SLURM_NODEID (which "
+                          "node this is): run this under srun, one task a node")  # fmt: skip
+    return int(text)
 
 
 def _spares(env: Mapping[str, str], nodes: int) -> int:
@@ -141,7 +188,7 @@ def _spares(env: Mapping[str, str], nodes: int) -> int:
     text = env.get("FLASHCKPT_SPARES", "0").strip() or "0"
     if not text.isdigit() or int(text) >= nodes:
         raise ConfigError(f"FLASHCKPT_SPARES={text!r} is not a count of spare nodes below the "
-                          f"allocation's {nodes} nodes: set it to 0..{nodes - 1}")  # fmt: skip
+                          f"allocation's {nodes} training nodes: set it to 0..{nodes - 1}")  # fmt: skip
     if int(text) and not env.get("SLURM_NODEID", "").isdigit():
         raise ConfigError("FLASHCKPT_SPARES needs SLURM_NODEID (which node this is): run this "
                           "under srun, one task a node")  # fmt: skip
