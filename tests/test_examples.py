@@ -159,7 +159,8 @@ def test_deepspeed_launcher_run_killed_then_rerun_resumes_through_load_checkpoin
 
 def test_the_kubernetes_controller_service_exposes_the_controller_and_the_recovery_store():
     """Under in-process recovery the standalone controller serves the recovery store too: the
-    example fixes the store's port and exposes it, in the pod and in the Service."""
+    example fixes the store's port and exposes it, in the pod and in the Service, with etcd's
+    for the rendezvous."""
     import yaml
 
     from flashckpt.faults import control
@@ -167,12 +168,15 @@ def test_the_kubernetes_controller_service_exposes_the_controller_and_the_recove
 
     path = EXAMPLES / "kubernetes" / "controller.yaml"
     deployment, service = yaml.safe_load_all(path.read_text())
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    container, etcd = deployment["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     store_port = control.split_address(env[STORE_ENV], STORE_ENV)[1]
     bind = container["command"][container["command"].index("--bind") + 1]
     wanted = {"controller": control.split_address(bind)[1], "recovery-store": store_port}
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == wanted
+    # The rendezvous beside it: etcd with the v2 API that torch's etcd-v2 backend speaks.
+    assert "--enable-v2" in etcd["command"]
+    wanted["etcd"] = etcd["ports"][0]["containerPort"]
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
         name: (port, port) for name, port in wanted.items()
     }
@@ -197,6 +201,9 @@ def test_the_kubernetes_spare_node_runs_the_jobs_launch_line_with_spare():
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["FLASHCKPT_RESTART_POLICY"] == "in-process"
     controller = (EXAMPLES / "kubernetes" / "controller.yaml").read_text()
+    # The rendezvous is the control plane's etcd, on no training node.
+    assert "--rdzv-backend=etcd-v2" in argv
+    assert "--rdzv-endpoint=flashckpt-controller-run1:2379" in argv
     for name in ("FLASHCKPT_CONTROLLER", "FLASHCKPT_RECOVERY_STORE"):
         assert (
             env[name].split(":")[0] == "flashckpt-controller-run1"
