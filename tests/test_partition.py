@@ -493,6 +493,58 @@ def test_node_0_losing_power_is_taken_by_the_spare_with_the_control_plane_off_th
 @pytest.mark.slow
 @pytest.mark.serial  # the node timeout is judged by the clock
 @pytest.mark.timeout(600)
+def test_node_0_losing_power_without_a_spare_restarts_the_job_on_a_fresh_host(
+    hosts, tmp_path, reference
+):
+    """The same loss with no spare, under the restart policy: node 0 (the first training node)
+    loses power after step 12 and the scheduler starts a fresh host in its place. The control
+    plane, off the nodes, finds it lost and has node 1's workers restarted; the job restarts
+    whole, every rank resumes from step 12 (node 0's from its replica in node 1's memory) and
+    ends bit-identical."""
+    import control_plane
+    from test_launcher import PEER, TOKEN, Cluster
+
+    if why := control_plane.unavailable():
+        pytest.skip(why)
+    h = hosts(3)
+    control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=2,
+                                         policy="restart")  # fmt: skip
+    cluster = Cluster(tmp_path, "node0r", ({}, {}), trainer=INPROCESS, hosts=h, control=control,
+                      FT_TIERS=f"pfs://{tmp_path / 'node0r-pfs'}?every_steps=1000",
+                      FT_WAIT_TIERS=PEER, FT_FAULTS="pause:0:12",
+                      FLASHCKPT_RESTART_POLICY="restart", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
+    from flashckpt.faults.events import read_events
+
+    def lost() -> list[dict]:
+        return [e for e in read_events(control.events_path) if e["kind"] == "node_lost"]
+
+    try:
+        for n in (0, 1):
+            cluster.start(n)
+        assert poll(lambda: (cluster.marks / "paused").exists(), 180), explain(cluster.finish(1))
+        cut = time.time()
+        h.unplug(0)
+        cluster.lose(0)
+        assert poll(lost, 30), explain(cluster.finish(1))
+        h.heal(0)
+        cluster.start(0)  # a fresh host in its place
+        run = cluster.finish(300)
+    finally:
+        cluster.close()
+        control.close()
+    assert run.codes == [0, 0], explain(run)
+    assert lost()[0]["nodes"] == ["node0"] and lost()[0]["action"] == "kill", lost()
+    back = {e["rank"]: e["step"] for ev in run.events for e in ev
+            if e["kind"] == "restored" and e["time"] > cut}  # fmt: skip
+    assert back == dict.fromkeys(range(4), 12), (back, explain(run))
+    assert run.digest == reference
+    print(f"node 0 unplugged, no spare -> found lost after {lost()[0]['time'] - cut:.2f}s, "
+          f"every rank trained again after {max(first_step_after(ev, cut) for ev in run.events) - cut:.2f}s")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # the node timeout is judged by the clock
+@pytest.mark.timeout(600)
 def test_training_goes_on_while_the_control_plane_is_unreachable_for_30_seconds(
     hosts, tmp_path, reference
 ):
