@@ -4,7 +4,9 @@ has the agents kill the failed round's workers so that every node restarts toget
 One per job, embedded in the ``flashckpt-run`` that can bind the controller's address (the
 rendezvous host), or run on its own with ``flashckpt-agent controller``. It holds no state of
 its own: everything comes from the agents' reports, so a restarted controller knows the job
-again after one heartbeat, and training never waits on it.
+again after one heartbeat, and training never waits on it. The recovery store it serves under
+in-process recovery comes back empty with it, and the nodes put back what it held
+(``flashckpt.faults.store_client``).
 
 Which workers a detection kills: those that started before the failure. The rendezvous starts
 a new round only once every old worker is gone, so a worker that started after the failure is
