@@ -470,7 +470,7 @@ class Rounds:
         for a lost rank."""
         try:
             yield
-        except dist.DistNetworkError as exc:
+        except dist.DistError as exc:  # lost, or a store wait timed out
             self._give_up(f"the recovery store cannot be reached ({str(exc).splitlines()[0]})",
                           budget=True)  # fmt: skip
 

@@ -351,7 +351,7 @@ class Supervisor:
         the fallback: every worker restarts, and the next look connects to the store again."""
         try:
             return self._monitor(original, pcontext)
-        except dist.DistNetworkError as exc:
+        except dist.DistError as exc:  # lost, or a store wait timed out
             self._store = None
             return self._fall_back(f"the recovery store cannot be reached "
                                    f"({str(exc).splitlines()[0]})", original)  # fmt: skip
