@@ -4,7 +4,7 @@ that takes its address over (its first host lost whole). Each time it learns the
 the nodes' reports, the nodes put back what the store held (``store_client``), and the next
 fault, a rank killed, is recovered in-process as before: no worker but the killed one is
 restarted, and the job ends bit-identical. Then etcd, the rendezvous, is killed and started
-again from its data 8 s later: the launchers wait for it (``rdzv_away``) and the job trains on.
+again from its data 6 s later: the launchers wait for it (``rdzv_away``) and the job trains on.
 
 The hosts are ``netns.Hosts``: two training nodes, etcd's rendezvous on a host of its own, and
 the controller on a fourth, then a fifth."""
@@ -74,7 +74,7 @@ def test_a_controller_killed_and_started_again_learns_the_job_back(hosts, tmp_pa
     control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=3,
                                          etcd_host=2)  # fmt: skip
     cluster = Cluster(tmp_path, "ctlrestart", ({}, {}), trainer=INPROCESS, hosts=h,
-                      control=control, FT_FAULTS="mark:0:3", FT_STEP_S="1.2",
+                      control=control, FT_FAULTS="mark:0:3", FT_STEP_S="1.0",
                       FLASHCKPT_RESTART_POLICY="in-process", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
     took: list[tuple[str, float, float]] = []
     try:
@@ -83,8 +83,8 @@ def test_a_controller_killed_and_started_again_learns_the_job_back(hosts, tmp_pa
         assert poll(lambda: (cluster.marks / "mark-0-3").exists(), 180), explain(cluster.finish(1))
         for rank, host in ((1, None), (2, 4)):
             took.append(restart_then_kill(control, cluster, rank, host))
-        # etcd (the rendezvous) away 8 s, then back from its data: the launchers wait for it.
-        control.restart_etcd(8.0)
+        # etcd (the rendezvous) away 6 s, then back from its data: the launchers wait for it.
+        control.restart_etcd(6.0)
         assert poll(lambda: all("the rendezvous answers again" in log for log in node_logs(
             cluster)), 60), explain(cluster.finish(1))  # fmt: skip
         run = cluster.finish(240)

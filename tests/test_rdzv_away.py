@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from flashckpt.faults.rdzv_away import PatientCount, be_patient
@@ -56,3 +57,28 @@ def test_a_handler_is_wrapped_once():
     first = handler.num_nodes_waiting
     be_patient(handler)
     assert handler.num_nodes_waiting is first and handler.num_nodes_waiting() == 3
+
+
+def test_a_rendezvous_away_past_the_patience_is_taken_for_gone():
+    """Past ``FLASHCKPT_RDZV_PATIENCE`` the rendezvous's error ends the launcher, as it would
+    have at once without the patience (the job ended without this node)."""
+
+    def ask() -> int:
+        raise RendezvousConnectionError("nobody serves the rendezvous")
+
+    count = PatientCount(ask, wait_s=1, patience_s=0.3)
+    assert count() == 0
+    time.sleep(0.4)
+    with pytest.raises(RendezvousConnectionError):
+        count()
+
+
+def test_no_patience_leaves_the_handler_as_torchelastic_has_it(monkeypatch):
+    class Handler:
+        def num_nodes_waiting(self) -> int:
+            return 3
+
+    monkeypatch.setenv("FLASHCKPT_RDZV_PATIENCE", "0")
+    handler = Handler()
+    be_patient(handler)
+    assert not isinstance(handler.num_nodes_waiting, PatientCount)

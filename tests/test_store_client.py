@@ -85,13 +85,15 @@ def test_the_round_survives_the_stores_restart(server):
     c.set("flashckpt/ns/rank-3/round", "2")
     server.kill()
     server.start()
-    # The nodes put back the newest round any of them knows, whichever comes first.
-    assert restore_round(c, "ns", 1) == 1
-    assert restore_round(c, "ns", 2) == 2 and restore_round(c, "ns", 1) == 2
-    # A rank with no record of its own is taken to be in the job's round: its replacement
-    # joins the next one, where the survivors go.
+    # The nodes put back the newest round any of them knows, whichever comes first, and the
+    # round each of their ranks is in: a rank's replacement then joins the round after it,
+    # where the survivors go.
+    assert restore_round(c, "ns", 1, {0: 1}) == 1
+    assert restore_round(c, "ns", 2, {2: 2, 3: 2}) == 2 and restore_round(c, "ns", 1, {}) == 2
+    assert last_round(c, "ns", 3) == 2 and last_round(c, "ns", 0) == 1
+    assert move_round(c, "ns", last_round(c, "ns", 3), 7) == 3
+    assert restore_round(c, "ns", 2, {3: 1}) == 3  # late: nothing it knows is newer
     assert last_round(c, "ns", 3) == 2
-    assert move_round(c, "ns", 2, 7) == 3
 
 
 def test_a_round_moved_on_a_restarted_store_before_any_node_put_it_back(server):

@@ -203,11 +203,8 @@ def last_round(store: Any, ns: str, rank: int) -> int:
     it claimed (a holder killed between claiming the rank and recording the round). Its
     replacement joins a later one: there the rank is free."""
     key = f"flashckpt/{ns}"
-    now = int(store.get(f"{key}/round").decode()) if store.check([f"{key}/round"]) else 0
-    mine = f"{key}/rank-{rank}/round"
-    # No record: the rank never formed a round, or the store restarted since (``store_client``)
-    # and the job's round, put back by the nodes, is the one it was in.
-    last = int(store.get(mine).decode()) if store.check([mine]) else now
+    last, now = (int(store.get(k).decode()) if store.check([k]) else 0
+                 for k in (f"{key}/rank-{rank}/round", f"{key}/round"))  # fmt: skip
     for n in range(last + 1, now + 1):
         if store.check([f"{key}/round-{n}/claim-{rank}"]):
             last = n
@@ -231,13 +228,17 @@ def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
     return now
 
 
-def restore_round(store: Any, ns: str, round: int) -> int:
-    """Put the job's round back in a store that restarted: at least ``round`` (a node's
-    newest), whichever node comes first; the job's round now."""
-    key = f"flashckpt/{ns}/round"
-    seen = store.compare_set(key, "", str(round)).decode()
+def restore_round(store: Any, ns: str, round: int, ranks: Mapping[int, int]) -> int:
+    """Put the job's round back in a store that restarted (``store_client``): at least
+    ``round`` (a node's newest), whichever node comes first, and the round each of the node's
+    ``ranks`` (rank -> round) was in, where no record of it is there yet (``last_round`` reads
+    it when the rank is replaced). The job's round now."""
+    key = f"flashckpt/{ns}"
+    seen = store.compare_set(f"{key}/round", "", str(round)).decode()
     while int(seen) < round:
-        seen = store.compare_set(key, seen, str(round)).decode()
+        seen = store.compare_set(f"{key}/round", seen, str(round)).decode()
+    for rank, was_in in ranks.items():
+        store.compare_set(f"{key}/rank-{rank}/round", "", str(was_in))
     return int(seen)
 
 

@@ -256,14 +256,18 @@ class Supervisor:
 
     def _put_back(self, store: Any) -> None:
         """The recovery store restarted (``store_client``): put back what this node knows. The
-        job's round (each rank without a record of its own is taken to be in it), then, for a
-        node running its own ranks, the job's current run and what a spare needs to take them;
-        for a spare running a lost node's, its mark on that node."""
+        job's round and the round each of this node's ranks is in (the relay's, or the one its
+        replacement joins), then, for a node running its own ranks, the job's current run and
+        what a spare needs to take them; for a spare running a lost node's, its mark on that
+        node."""
         if not self.members:
             return
         ns = namespace(next(iter(self.members.values())).env)
         if self.relay is not None and self.relay.round is not None:
-            now = restore_round(store, ns, self.relay.round)
+            rec = self.recovery
+            ranks = {m.rank: rec.round if rec is not None and m.rank in rec.ranks
+                     else self.relay.round for m in self.members.values()}  # fmt: skip
+            now = restore_round(store, ns, max(self.relay.round, *ranks.values()), ranks)
             log.warning("recovery store put back: round %d of %s", now, ns)
         node = config.node_name()
         if self.holder != node:  # a spare: it holds ``node``'s ranks

@@ -49,6 +49,7 @@ from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import HangPolicy
 from .heartbeat import remove_dead
+from .launcher_help import print_help, wants_help
 from .node_watch import NodeWatch
 from .reach import leave, listen_for_probes
 from .spare import split_flag
@@ -371,8 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[flashckpt-run] %(levelname)s %(message)s")
     launch_env = dict(os.environ)  # what a spare runs this launcher again with, as a node
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print_help()
     try:
-        argv, spare = split_flag(sys.argv[1:] if argv is None else argv)
+        argv, spare = split_flag(argv)
     except FlashCkptError as exc:
         sys.exit(f"flashckpt-run: {exc}")
     args = torchrun.parse_args(argv)

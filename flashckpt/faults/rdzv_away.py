@@ -11,6 +11,10 @@ unanswered is not asked again until it returns (an etcd read on a silent host ta
 timeout): the agent goes on watching its workers meanwhile. Nodes waiting to join are seen
 again once the rendezvous answers; the next restart needs it, and waits for it as TorchElastic
 does.
+
+The patience has an end, ``FLASHCKPT_RDZV_PATIENCE`` seconds (default 300; 0: none, as
+TorchElastic): a rendezvous away longer is taken to be gone for good (the job ended without
+this node, whose network was cut), and its error ends the launcher as it would have at once.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 WAIT_S = 2.0
+DEFAULT_PATIENCE_S = 300.0
 
 
 class PatientCount:
     """``num_nodes_waiting`` of a rendezvous handler, asked with a bound (see the module doc)."""
 
-    def __init__(self, ask: Callable[[], int], wait_s: float = WAIT_S):
-        self.ask, self.wait_s = ask, wait_s
+    def __init__(self, ask: Callable[[], int], wait_s: float = WAIT_S,
+                 patience_s: float = DEFAULT_PATIENCE_S):  # fmt: skip
+        self.ask, self.wait_s, self.patience_s = ask, wait_s, patience_s
         self._lock = threading.Lock()
         self._pending: _Question | None = None
         self.away_since: float | None = None
@@ -47,6 +53,10 @@ class PatientCount:
             self._pending = None
         if question.error is not None:
             self._away(f"{type(question.error).__name__}: {question.error}")
+            if time.monotonic() - (self.away_since or 0.0) >= self.patience_s:
+                log.error("the rendezvous has not answered for %.0fs (FLASHCKPT_RDZV_PATIENCE): "
+                          "taken for gone", self.patience_s)  # fmt: skip
+                raise question.error
             return 0
         if self.away_since is not None:
             log.warning("the rendezvous answers again after %.1fs",
@@ -81,5 +91,10 @@ class _Question(threading.Thread):
 
 def be_patient(handler: Any) -> None:
     """Have ``handler``'s ``num_nodes_waiting`` asked with a bound (once per handler)."""
-    if not isinstance(getattr(handler, "num_nodes_waiting", None), PatientCount):
-        handler.num_nodes_waiting = PatientCount(handler.num_nodes_waiting)
+    if isinstance(getattr(handler, "num_nodes_waiting", None), PatientCount):
+        return
+    from .. import config
+
+    patience = config.setting_float("rdzv_patience", None, DEFAULT_PATIENCE_S, lo=0.0)
+    if patience > 0:
+        handler.num_nodes_waiting = PatientCount(handler.num_nodes_waiting, patience_s=patience)

@@ -31,8 +31,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
 log = logging.getLogger(__name__)
 
 STAMP_KEY = "flashckpt/store-id"
@@ -89,6 +87,8 @@ class StoreClient:
         self._connect()
 
     def _tcp_store(self, connect_s: float) -> Any:
+        import torch.distributed as dist
+
         store = dist.TCPStore(*self.address, is_master=False,
                               timeout=datetime.timedelta(seconds=connect_s))  # fmt: skip
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
@@ -96,6 +96,8 @@ class StoreClient:
 
     def _connect(self) -> Any:
         """Connect, retrying until the store has been away ``timeout``; the new connection."""
+        import torch.distributed as dist
+
         if self._away_since is None:
             self._away_since = time.monotonic()
         deadline = self._away_since + self.timeout
@@ -121,6 +123,8 @@ class StoreClient:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
+
+        import torch.distributed as dist
 
         def call(*args: Any, **kwargs: Any) -> Any:
             store = self._store

@@ -31,7 +31,7 @@ from ..snapshot.flatten import (
     join,
     tensor_source,
 )
-from ..snapshot.state_dicts import state_dict_of
+from ..snapshot.state_dicts import state_dict_of, unwrapped, wrapper_free
 from ..snapshot.steady import Walked
 from . import optim_state
 from .entry_copy import Source
@@ -80,6 +80,7 @@ class Planner:
         self.pickled: list[str] = []
         self.replaced = 0  # leaves that are not in-place tensor copies
         self.created: list[Any] = []  # fresh optimizers given state to load into
+        self._canon: dict[int, tuple[Mapping, dict[str, str]]] = {}  # id -> (dict, key index)
 
     def entry(self, node: dict) -> Entry:
         try:
@@ -165,6 +166,7 @@ class Planner:
                 )
             )
             return lambda src: target
+        given, target = target, unwrapped(target)  # a wrapper's state is its module's
         ready = getattr(target, "before_restore", None)
         if callable(ready):  # a door's Stateful readies what is filled (an optimizer's state)
             self.created.extend(ready(_saved_keys(node["v"])))
@@ -182,7 +184,7 @@ class Planner:
 
         def produce(src: Source) -> Any:
             finish_stateful(target, inner(src), needs_load, src)
-            return target
+            return given
 
         return produce
 
@@ -273,6 +275,16 @@ class Planner:
             return self._leave(path, "dtype", detail, target) or produce
         return produce
 
+    def _unprefixed(self, key: str, target: Mapping) -> str:
+        """``target``'s key for a snapshot's ``key`` that it lacks as written: the same key
+        but for the wrappers' prefixes (``wrapper_free``), either way round (a state dict of a
+        wrapped module given as a plain dict, or a snapshot saved so); else ``key``."""
+        index = self._canon.get(id(target))
+        if index is None or index[0] is not target:
+            keys = {wrapper_free(k): k for k in target if isinstance(k, str)}
+            index = self._canon[id(target)] = (target, keys)
+        return index[1].get(wrapper_free(key), key)
+
     def _dict(self, node: dict, target: Mapping, path: str, lenient: bool) -> Producer:
         items = []
         seen = set()
@@ -282,6 +294,8 @@ class Planner:
                 key = self.key_map(key)
                 if key is None:
                     continue
+            if key not in target and isinstance(key, str):
+                key = self._unprefixed(key, target)
             seen.add(key)
             sub = join(path, key)
             if key in target:
@@ -342,6 +356,7 @@ def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source,
     """Finish restoring Stateful ``target`` once ``sd`` (its ``state_dict()``, filled in place
     and given the snapshot's other values) is produced: load it where that is needed.
     ``grads_dropped``: the caller dropped its gradients (``drop_grads``) already."""
+    target = unwrapped(target)  # the keys are its module's
     if needs_load and not optim_state.loaded_in_place(target, sd):  # reads no tensor value
         src.flush()  # the copies land before load_state_dict() sees the tensors
         target.load_state_dict(sd)

@@ -16,11 +16,16 @@ thousands of parameters torch's own costs more than copying small tensors:
   a state keyed by something other than a tensor) gets torch's.
 
 Anything else gets its own ``state_dict()``.
+
+A module behind a wrapper that only forwards to it, ``torch.compile``'s (``_orig_mod.``) or
+DDP's and DataParallel's (``module.``), is the same state as the module: its state is the
+module's own (``unwrapped``), so that a snapshot saved from either restores into either.
 """
 
 from __future__ import annotations
 
 import operator
+import re
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -32,8 +37,36 @@ _TORCH_OPTIMIZER = torch.optim.Optimizer.state_dict
 _NOT_NONE = partial(operator.is_not, None)
 
 
+def unwrapped(value: Any) -> Any:
+    """The module inside ``torch.compile``'s, DDP's and DataParallel's wrappers (however
+    nested), else ``value``."""
+    while isinstance(value, torch.nn.Module):
+        if type(value).__name__ == "OptimizedModule" and isinstance(
+            getattr(value, "_orig_mod", None), torch.nn.Module
+        ):
+            value = value._orig_mod
+        elif isinstance(value, _FORWARDING):
+            value = value.module
+        else:
+            break
+    return value
+
+
+_FORWARDING = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+_ORIG_MOD = re.compile(r"(^|\.)_orig_mod\.")
+
+
+def wrapper_free(key: str) -> str:
+    """A state-dict key without the wrappers' prefixes: every ``_orig_mod.`` segment
+    (``torch.compile``'s) and a leading ``module.`` (DDP's)."""
+    key = _ORIG_MOD.sub(r"\1", key)
+    return key.removeprefix("module.")
+
+
 def state_dict_of(value: Any) -> Any:
-    """What ``value.state_dict()`` returns, its tensors undetached where it is a module's."""
+    """What ``value.state_dict()`` returns, its tensors undetached where it is a module's; a
+    wrapped module's own (``unwrapped``)."""
+    value = unwrapped(value)
     cls = type(value)
     if cls.state_dict is _TORCH_MODULE and isinstance(value, torch.nn.Module):
         if not _hooked(value):
