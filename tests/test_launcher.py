@@ -105,7 +105,6 @@ class Cluster:
         # Short names: the agent's unix socket path, under them, holds at most 107 bytes.
         self.run_dirs = [tmp / f"r{next(_RUN_DIRS)}" for n in range(nodes)]
         self.starts = [0] * nodes
-        self.rdzv_conf = ""  # more of the rendezvous' settings (``key=value,...``), on hosts
 
     def addr(self, node: int, alone: str | None = None) -> str:
         """Node ``node``'s address: its host's, else ``alone`` or its own loopback address."""
@@ -125,8 +124,7 @@ class Cluster:
         rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr(0, '127.0.0.1')}:{self.port}"]
         if self.hosts is not None:
             full["GLOO_SOCKET_IFNAME"] = self.hosts.training_iface
-            conf = ",".join(filter(None, [f"is_host={int(node == 0)}", self.rdzv_conf]))
-            rdzv.append(f"--rdzv-conf={conf}")
+            rdzv.append(f"--rdzv-conf=is_host={int(node == 0)}")
         if self.control is not None:
             rdzv = self.control.rdzv_args()
         cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
