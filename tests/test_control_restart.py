@@ -68,7 +68,7 @@ def test_a_controller_killed_and_started_again_learns_the_job_back(hosts, tmp_pa
     control = control_plane.ControlPlane(tmp_path / "control", TOKEN, hosts=h, host=3,
                                          etcd_host=2)  # fmt: skip
     cluster = Cluster(tmp_path, "ctlrestart", ({}, {}), trainer=INPROCESS, hosts=h,
-                      control=control, FT_FAULTS="mark:0:3", FT_STEP_S="1.0",
+                      control=control, FT_FAULTS="mark:0:3", FT_STEP_S="0.8",
                       FLASHCKPT_RESTART_POLICY="in-process", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
     took: list[tuple[str, float, float]] = []
     try:
