@@ -294,7 +294,7 @@ class Planner:
                 key = self.key_map(key)
                 if key is None:
                     continue
-            if key not in target and isinstance(key, str):
+            if isinstance(key, str) and key not in target:  # only a miss looks further
                 key = self._unprefixed(key, target)
             seen.add(key)
             sub = join(path, key)
