@@ -294,11 +294,13 @@ class Planner:
                 key = self.key_map(key)
                 if key is None:
                     continue
-            if isinstance(key, str) and key not in target:  # only a miss looks further
+            hit = key in target
+            if not hit and isinstance(key, str):  # only a miss looks further
                 key = self._unprefixed(key, target)
+                hit = key in target
             seen.add(key)
             sub = join(path, key)
-            if key in target:
+            if hit:
                 items.append((key, self.match(vnode, target[key], sub, lenient)))
             elif self._a_block(vnode):
                 continue  # a block another rank holds at this layout: not this rank's to load
