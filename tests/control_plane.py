@@ -57,7 +57,6 @@ class ControlPlane:
         ip = hosts.address(host) if hosts is not None else "127.0.0.1"
         etcd_ip = hosts.address(self.etcd_host) if hosts is not None else "127.0.0.1"
         self.etcd = f"{etcd_ip}:{free_port()}"
-        self._peer_port = free_port()
         self.address = f"{ip}:{free_port_pair()}"
         self.procs: list[subprocess.Popen] = []
         self.controller: subprocess.Popen | None = None
@@ -100,7 +99,7 @@ class ControlPlane:
         url = f"http://{self.etcd}"
         argv = [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://{ip}:{self._peer_port}", "--log-level", "warn"]  # fmt: skip
+                "--listen-peer-urls", f"http://{ip}:{free_port()}", "--log-level", "warn"]  # fmt: skip
         self.etcd_proc = self._popen("etcd", argv, self.etcd_host)
         self._wait(self._etcd_answers, "etcd")
 

@@ -115,11 +115,6 @@ class StoreClient:
         self._store = store
         return store
 
-    @property
-    def store(self) -> Any:
-        """The connection in use now."""
-        return self._store
-
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
