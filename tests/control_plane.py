@@ -128,6 +128,12 @@ class ControlPlane:
     def events_path(self) -> Path:
         return self.tmp / "controller.events.jsonl"
 
+    def events(self) -> list[dict]:
+        """The controller's events so far (none before its first: the file is made then)."""
+        from flashckpt.faults.events import read_events
+
+        return read_events(self.events_path) if self.events_path.exists() else []
+
     def _wait(self, ready, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not ready():

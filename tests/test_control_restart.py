@@ -21,8 +21,6 @@ from test_launcher import TOKEN, Cluster, explain
 from test_partition import hosts  # noqa: F401  (the fixture)
 from test_spare_nodes import INPROCESS, pids_of
 
-from flashckpt.faults.events import read_events
-
 
 def current_pid(cluster: Cluster, node: int, rank: int) -> int:
     """The pid of the process that runs ``rank`` now: the last to report its restore."""
@@ -43,7 +41,7 @@ def restart_then_kill(control, cluster: Cluster, rank: int, host: int | None):
     back = time.time()
     # It learns the job back: a step committed by every rank, from their reports.
     assert poll(lambda: any(e["kind"] == "global_commit" and e["time"] > back
-                            for e in read_events(control.events_path)), 30), (
+                            for e in control.events()), 30), (
         (control.tmp / "controller.log").read_text()[-3000:])  # fmt: skip
     learned = time.time() - back
     node = rank // 2

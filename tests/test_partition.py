@@ -484,9 +484,8 @@ def test_node_0_losing_power_is_taken_by_the_spare_with_the_control_plane_off_th
     finally:
         cluster.close()
         control.close()
-    from flashckpt.faults.events import read_events
 
-    back = taken_by_the_spare(run, read_events(control.events_path), 0, reference, cut)
+    back = taken_by_the_spare(run, control.events(), 0, reference, cut)
     print(f"node 0 unplugged, then killed -> every rank trained again: {back - cut:.2f}s")
 
 
@@ -513,10 +512,9 @@ def test_node_0_losing_power_without_a_spare_restarts_the_job_on_a_fresh_host(
                       FT_TIERS=f"pfs://{tmp_path / 'node0r-pfs'}?every_steps=1000",
                       FT_WAIT_TIERS=PEER, FT_FAULTS="pause:0:12",
                       FLASHCKPT_RESTART_POLICY="restart", FLASHCKPT_NODE_TIMEOUT="3")  # fmt: skip
-    from flashckpt.faults.events import read_events
 
     def lost() -> list[dict]:
-        return [e for e in read_events(control.events_path) if e["kind"] == "node_lost"]
+        return [e for e in control.events() if e["kind"] == "node_lost"]
 
     try:
         for n in (0, 1):
@@ -581,11 +579,8 @@ def test_training_goes_on_while_the_control_plane_is_unreachable_for_30_seconds(
     assert cut < during < healed, (during - cut, healed - cut)  # it trained through the cut
     for rank in range(4):
         assert len(pids_of(run.logs[rank // 2], rank)) == 1, explain(run)  # never restarted
-    from flashckpt.faults.events import read_events
 
-    acted = [
-        e for e in read_events(control.events_path) if e["kind"] in ("node_lost", "worker_failed")
-    ]
+    acted = [e for e in control.events() if e["kind"] in ("node_lost", "worker_failed")]
     assert not acted, acted
     assert run.digest == reference
 
@@ -618,10 +613,9 @@ def test_two_hosts_losing_power_with_one_spare_restart_the_job_once_with_the_spa
             h.unplug(n)
         for n in (1, 2):
             cluster.lose(n)
-        from flashckpt.faults.events import read_events
 
         def lost() -> list[dict]:
-            return [e for e in read_events(control.events_path) if e["kind"] == "node_lost"]
+            return [e for e in control.events() if e["kind"] == "node_lost"]
 
         def found() -> set[str]:
             return {n for e in lost() for n in e["nodes"]}

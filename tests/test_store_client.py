@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -79,6 +80,17 @@ def test_a_client_gives_up_when_the_store_stays_away(server):
         a.get("k")
 
 
+def test_within_patience_a_call_waits_that_long_for_a_lost_store_not_the_window(server):
+    a = StoreClient("127.0.0.1", server.port, timeout=60)
+    server.kill()
+    began = time.monotonic()
+    with pytest.raises(dist.DistNetworkError), a.patience(1.0):
+        a.get("k")
+    assert time.monotonic() - began < 10  # the window is 60 s
+    server.start()
+    assert not a.check(["k"])  # out of it, the client connects again as before
+
+
 def test_the_round_survives_the_stores_restart(server):
     c = StoreClient("127.0.0.1", server.port, timeout=10)
     assert move_round(c, "ns", 0, 5) == 1 and move_round(c, "ns", 1, 6) == 2
@@ -94,6 +106,17 @@ def test_the_round_survives_the_stores_restart(server):
     assert move_round(c, "ns", last_round(c, "ns", 3), 7) == 3
     assert restore_round(c, "ns", 2, {3: 1}) == 3  # late: nothing it knows is newer
     assert last_round(c, "ns", 3) == 2
+
+
+def test_a_node_that_knows_a_newer_round_of_a_rank_wins_over_one_that_came_first(server):
+    """One launcher's relay lags (it still says round 0) and puts back first; the rank's own
+    claim, put back after it, is newer: the rank's record ends at the newer round, so its
+    replacement joins the round after the one it was really in."""
+    c = StoreClient("127.0.0.1", server.port, timeout=10)
+    assert restore_round(c, "ns", 0, {2: 0, 3: 0}) == 0
+    assert restore_round(c, "ns", 1, {2: 1}) == 1
+    assert last_round(c, "ns", 2) == 1 and last_round(c, "ns", 3) == 0
+    assert move_round(c, "ns", last_round(c, "ns", 2), None) == 2
 
 
 def test_a_round_moved_on_a_restarted_store_before_any_node_put_it_back(server):

@@ -231,14 +231,20 @@ def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
 def restore_round(store: Any, ns: str, round: int, ranks: Mapping[int, int]) -> int:
     """Put the job's round back in a store that restarted (``store_client``): at least
     ``round`` (a node's newest), whichever node comes first, and the round each of the node's
-    ``ranks`` (rank -> round) was in, where no record of it is there yet (``last_round`` reads
-    it when the rank is replaced). The job's round now."""
+    ``ranks`` (rank -> round) was in, at least (``last_round`` reads it when the rank is
+    replaced): whoever knows a newer round wins, whatever the order. The job's round now."""
     key = f"flashckpt/{ns}"
-    seen = store.compare_set(f"{key}/round", "", str(round)).decode()
-    while int(seen) < round:
-        seen = store.compare_set(f"{key}/round", seen, str(round)).decode()
+    now = _raise_to(store, f"{key}/round", round)
     for rank, was_in in ranks.items():
-        store.compare_set(f"{key}/rank-{rank}/round", "", str(was_in))
+        _raise_to(store, f"{key}/rank-{rank}/round", was_in)
+    return now
+
+
+def _raise_to(store: Any, key: str, value: int) -> int:
+    """Set the integer at ``key`` to at least ``value`` (a missing one too); what it holds."""
+    seen = store.compare_set(key, "", str(value)).decode()
+    while int(seen) < value:
+        seen = store.compare_set(key, seen, str(value)).decode()
     return int(seen)
 
 

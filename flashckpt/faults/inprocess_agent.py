@@ -151,6 +151,10 @@ class Recovery:
     replacement_s: float | None = None
 
 
+RELAY_PATIENCE_S = 2.0  # how long one look of the round relay waits for a lost store
+LAST_WORD_S = 5.0  # how long a launcher that stops its workers waits for a lost store
+
+
 class RoundRelay(threading.Thread):
     """Relays the job's round to this node's ranks: the launcher looks at the store every
     ``interval`` for the round to be over and writes the new round to the node's round file,
@@ -171,8 +175,8 @@ class RoundRelay(threading.Thread):
         away: float | None = None  # since when the store has not answered
         while not self.halt.wait(0 if round is None else self.interval):
             try:
-                if store is None:
-                    store = StoreClient(*self.address, timeout=10)
+                if store is None:  # a short window: the relay looks again, and may be halted
+                    store = StoreClient(*self.address, timeout=RELAY_PATIENCE_S)
                 if round is None or store.check([f"{key}/round-{round}/over"]):
                     now = int(store.get(f"{key}/round").decode()) if store.check(
                         [f"{key}/round"]) else 0  # fmt: skip
@@ -256,18 +260,20 @@ class Supervisor:
 
     def _put_back(self, store: Any) -> None:
         """The recovery store restarted (``store_client``): put back what this node knows. The
-        job's round and the round each of this node's ranks is in (the relay's, or the one its
-        replacement joins), then, for a node running its own ranks, the job's current run and
-        what a spare needs to take them; for a spare running a lost node's, its mark on that
-        node."""
+        job's round and the round each of this node's ranks is in (the newest of: the round
+        its process claimed it in, the one its replacement joins, the relay's), then, for a
+        node running its own ranks, the job's current run and what a spare needs to take them;
+        for a spare running a lost node's, its mark on that node."""
         if not self.members:
             return
         ns = namespace(next(iter(self.members.values())).env)
-        if self.relay is not None and self.relay.round is not None:
-            rec = self.recovery
-            ranks = {m.rank: rec.round if rec is not None and m.rank in rec.ranks
-                     else self.relay.round for m in self.members.values()}  # fmt: skip
-            now = restore_round(store, ns, max(self.relay.round, *ranks.values()), ranks)
+        relayed = self.relay.round if self.relay is not None else None
+        claimed, rec = self._claimed(), self.recovery
+        ranks = {m.rank: max(relayed or 0, claimed.get(m.rank, 0),
+                             rec.round if rec is not None and m.rank in rec.ranks else 0)
+                 for m in self.members.values()}  # fmt: skip
+        if relayed is not None or claimed or rec is not None:
+            now = restore_round(store, ns, max(ranks.values()), ranks)
             log.warning("recovery store put back: round %d of %s", now, ns)
         node = config.node_name()
         if self.holder != node:  # a spare: it holds ``node``'s ranks
@@ -276,6 +282,21 @@ class Supervisor:
         elif self._published is not None and self._published[0] == ns:
             store.compare_set(run_key(self.job), "", ns)
             publish_node(store, node, *self._published)
+
+    def _claimed(self) -> dict[int, int]:
+        """The newest round each rank's current process claimed it in (its ``rank_claimed``
+        events in the node's event log): the rank's own word, which the relay may lag."""
+        holders = {m.pid: m.rank for m in self.members.values()}
+        rounds: dict[int, int] = {}
+        try:
+            events = read_events(self.events.path)
+        except OSError:
+            return rounds
+        for e in events:
+            rank, round = holders.get(e.get("pid")), e.get("round")
+            if e["kind"] == "rank_claimed" and rank is not None and type(round) is int:
+                rounds[rank] = max(rounds.get(rank, 0), round)
+        return rounds
 
     def _relay(self, ns: str) -> None:
         if path := os.environ.get(ROUND_FILE_ENV):  # a new worker group: a new namespace
@@ -324,8 +345,11 @@ class Supervisor:
             if m.replacement is not None and m.replacement.poll() is None:
                 reap(m.replacement, m.rank, self.events, "stopping a replacement")
         if self.members and not self.fenced:
+            ns = namespace(next(iter(self.members.values())).env)
             with contextlib.suppress(Exception):  # the store gone: so is the run
-                run_ended(self.store, self.job, namespace(next(iter(self.members.values())).env))
+                store = self._store or StoreClient(*self.address, timeout=LAST_WORD_S)
+                with store.patience(LAST_WORD_S):  # a courtesy: the next run says its own
+                    run_ended(store, self.job, ns)
 
     def close(self) -> None:
         self.stop()
@@ -481,9 +505,18 @@ class Supervisor:
         return True
 
     def _formed(self, rec: Recovery) -> bool:
-        ns = namespace(next(iter(self.members.values())).env)
-        key = f"flashckpt/{ns}/round-{rec.round}/joined"
-        return self.store.check([key]) and int(self.store.add(key, 0)) >= self.world
+        """Whether ``rec`` is over: its round formed, or the later one the job moved on to
+        (its replacement found the round moved on, and the job followed it there); then
+        ``rec.round`` is the round that formed."""
+        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}"
+        now = int(self.store.get(f"{key}/round").decode()) if self.store.check(
+            [f"{key}/round"]) else rec.round  # fmt: skip
+        for round in sorted({rec.round, max(now, rec.round)}):
+            joined = f"{key}/round-{round}/joined"
+            if self.store.check([joined]) and int(self.store.add(joined, 0)) >= self.world:
+                rec.round = round
+                return True
+        return False
 
     def _record_recovered(self, rec: Recovery) -> None:
         self.recovered += 1

@@ -15,6 +15,9 @@ its ranks are, its node's record, a spare's marks, its training address), so tha
 store held is rebuilt from the nodes. What no node knows is lost with the old store: the
 recovery budget's count.
 
+A caller that cannot wait the whole window (a launcher on its way out, whose last word to
+the store is a courtesy) bounds it with ``patience``.
+
 Only a ``DistNetworkError`` (the connection lost) is retried, once per call: a call whose
 connection broke after the store applied it is applied twice (an ``add`` counts twice), which
 a round that then fails to form turns into one more round, never into a wrong one.
@@ -28,7 +31,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -83,8 +86,18 @@ class StoreClient:
         self.address, self.timeout, self.what = (host, port), timeout, what
         self._store: Any = None
         self._away_since: float | None = None
+        self._patience: float | None = None
         self.reconnects = 0
         self._connect()
+
+    @contextlib.contextmanager
+    def patience(self, seconds: float) -> Iterator[StoreClient]:
+        """Within it, a lost store is waited for ``seconds`` at most (not the whole window)."""
+        saved, self._patience = self._patience, seconds
+        try:
+            yield self
+        finally:
+            self._patience = saved
 
     def _tcp_store(self, connect_s: float) -> Any:
         import torch.distributed as dist
@@ -101,6 +114,8 @@ class StoreClient:
         if self._away_since is None:
             self._away_since = time.monotonic()
         deadline = self._away_since + self.timeout
+        if self._patience is not None:
+            deadline = min(deadline, time.monotonic() + self._patience)
         while True:
             try:
                 store = self._tcp_store(min(CONNECT_S, max(deadline - time.monotonic(), 0.5)))
