@@ -81,3 +81,25 @@ def test_the_gate_serves_only_its_address_and_the_store_only_loopback(gate):
         assert client(alone.port).add("k", 2) == 2
     finally:
         alone.close()
+
+
+def test_a_store_client_behind_a_tunnel_whose_gate_is_gone_gives_up_within_its_patience():
+    """A ``TCPStore`` client waits, past its own timeout, as long as the tunnel holds its
+    connection; a tunnel whose gate refuses lets go within seconds, so a client that may
+    wait only briefly (a launcher's last word) is not held for the store's whole window."""
+    import time
+
+    from flashckpt.faults.store_client import StoreClient
+
+    gate = StoreGate("127.0.0.1", 0, TOKEN)
+    tunnel = StoreTunnel("127.0.0.1", gate.port, TOKEN)
+    try:
+        store = StoreClient("127.0.0.1", tunnel.port, timeout=60)
+        store.set("k", "v")
+        gate.close()  # the node serving the store is gone: its port refuses
+        began = time.monotonic()
+        with pytest.raises(dist.DistNetworkError), store.patience(1.0):
+            store.get("k")
+        assert time.monotonic() - began < 12, time.monotonic() - began
+    finally:
+        tunnel.close()

@@ -40,7 +40,11 @@ log = logging.getLogger(__name__)
 
 SERVICE = "recovery-store"
 HANDSHAKE_TIMEOUT = 5.0
-CONNECT_RETRY_S = 30.0  # a store client's own wait (``TCPStore``'s timeout) for the store
+# How long a refused gate is tried again before the client's connection is closed. Short: a
+# ``TCPStore`` client waits, past its own timeout, for as long as the tunnel holds it, and the
+# store's clients (``store_client``) wait for a store that is away themselves, each as long
+# as it may.
+CONNECT_RETRY_S = 2.0
 PIPE_BYTES = 1 << 16
 
 
@@ -221,8 +225,8 @@ class StoreTunnel:
             await self._carry(reader, writer)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A connection to the gate. Refused ones are tried again for ``CONNECT_RETRY_S``: the
-        node that serves the store may start after this one (its clients wait as long)."""
+        """A connection to the gate. Refused ones are tried again for ``CONNECT_RETRY_S``
+        (the node that serves the store may be starting); the clients try for longer."""
         deadline = asyncio.get_running_loop().time() + CONNECT_RETRY_S
         pause = 0.05
         while True:
