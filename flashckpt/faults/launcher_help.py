@@ -21,8 +21,8 @@ recovery, spare nodes). It takes torchrun's arguments (below) and one of its own
                      takes a lost node's ranks in-process (needs in-process recovery; also
                      FLASHCKPT_SPARE=1). Before the training script.
 
-Settings (environment variables; the configuration reference is the README's
-"Configuration" section):
+Settings (environment variables; every one is in the configuration reference,
+docs/CONFIG.md):
 
   FLASHCKPT_JOB                 the job's name (default: --rdzv-id, else from the command)
   FLASHCKPT_NODE                this node's name (default: the host name)
