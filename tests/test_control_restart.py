@@ -3,7 +3,8 @@ recovery store, is killed with -9 and started again, first on its own host, then
 that takes its address over (its first host lost whole). Each time it learns the job back from
 the nodes' reports, the nodes put back what the store held (``store_client``), and the next
 fault, a rank killed, is recovered in-process as before: no worker but the killed one is
-restarted, and the job ends bit-identical.
+restarted, and the job ends bit-identical. Then etcd, the rendezvous, is killed and started
+again from its data 6 s later: the launchers wait for it (``rdzv_away``) and the job trains on.
 
 The hosts are ``netns.Hosts``: two training nodes, etcd's rendezvous on a host of its own, and
 the controller on a fourth, then a fifth."""
@@ -26,6 +27,11 @@ def current_pid(cluster: Cluster, node: int, rank: int) -> int:
     """The pid of the process that runs ``rank`` now: the last to report its restore."""
     text = (cluster.tmp / f"{cluster.name}-node{node}-{cluster.starts[node]}.log").read_text()
     return int(re.findall(rf"restored {rank} \S+ pid=(\d+)", text)[-1])
+
+
+def node_logs(cluster: Cluster) -> list[str]:
+    return [(cluster.tmp / f"{cluster.name}-node{n}-{cluster.starts[n]}.log").read_text()
+            for n in range(cluster.n)]  # fmt: skip
 
 
 def recovered_after(cluster: Cluster, node: int, since: float) -> dict | None:
@@ -75,6 +81,11 @@ def test_a_controller_killed_and_started_again_learns_the_job_back(hosts, tmp_pa
         assert poll(lambda: (cluster.marks / "mark-0-3").exists(), 180), explain(cluster.finish(1))
         for rank, host in ((1, None), (2, 4)):
             took.append(restart_then_kill(control, cluster, rank, host))
+        # etcd, the rendezvous, killed and back from its data 6 s later: the launchers wait
+        # for it (``rdzv_away``) and the job trains on.
+        control.restart_etcd(6.0)
+        assert poll(lambda: all("the rendezvous answers again" in log for log in node_logs(
+            cluster)), 60), explain(cluster.finish(1))  # fmt: skip
         run = cluster.finish(240)
     finally:
         cluster.close()

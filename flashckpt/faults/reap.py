@@ -161,9 +161,16 @@ def _signal(handler: Any, sig: signal.Signals) -> None:
 
 class BoundedAgent(LocalElasticAgent):
     """TorchElastic's agent, with a worker that outlived its SIGKILL reported as failed (so the
-    group restarts without it) and its worker group stopped within a bound (``bound_close``)."""
+    group restarts without it) and its worker group stopped within a bound (``bound_close``);
+    an etcd rendezvous that restarts is waited for (``rdzv_away``)."""
 
     _overdue: Overdue | None = None
+
+    def __init__(self, spec: Any, *args: Any, **kwargs: Any):
+        from .rdzv_away import be_patient
+
+        be_patient(spec.rdzv_handler)  # etcd restarting ends no healthy node's workers
+        super().__init__(spec, *args, **kwargs)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
