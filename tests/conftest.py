@@ -166,13 +166,16 @@ def nodes(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> str:
-    """The weights' digest of the two-node launcher job run undisturbed (once per test
-    process: every module of multi-node runs compares with it)."""
+    """The weights' digest of the two-node launcher job run undisturbed (once per test run:
+    every module of multi-node runs compares with it)."""
     from test_launcher import explain, run_job
 
-    run = run_job(tmp_path_factory.mktemp("ref"), "ref")
-    assert run.codes == [0, 0] and run.digest, explain(run)
-    return run.digest
+    def make() -> str:
+        run = run_job(tmp_path_factory.mktemp("ref"), "ref")
+        assert run.codes == [0, 0] and run.digest, explain(run)
+        return run.digest
+
+    return once_per_run("ref", make)
 
 
 @pytest.fixture(scope="session")
@@ -180,9 +183,35 @@ def reference3(tmp_path_factory) -> str:
     """The same for three nodes."""
     from test_launcher import explain, run_job
 
-    run = run_job(tmp_path_factory.mktemp("ref3"), "ref3", nodes=3, node_env=({}, {}, {}))
-    assert run.codes == [0, 0, 0] and run.digest, explain(run)
-    return run.digest
+    def make() -> str:
+        run = run_job(tmp_path_factory.mktemp("ref3"), "ref3", nodes=3, node_env=({}, {}, {}))
+        assert run.codes == [0, 0, 0] and run.digest, explain(run)
+        return run.digest
+
+    return once_per_run("ref3", make)
+
+
+def once_per_run(name: str, make) -> str:
+    """``make()``'s text, made once for every test process of this code (the test workers
+    of one phase and the processes of the next share it): kept in ``.pytest_cache`` under a
+    key of the trainers' and the harness's source and torch's version, one maker at a time."""
+    import fcntl
+    import hashlib
+
+    sources = ("ft_trainer.py", "inprocess_trainer.py", "test_launcher.py", "conftest.py")
+    key = hashlib.sha256(torch.__version__.encode())
+    for source in sources:
+        key.update((ROOT / "tests" / source).read_bytes())
+    where = ROOT / ".pytest_cache" / "flashckpt-references"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{name}-{key.hexdigest()[:16]}"
+    with open(where / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists() and (text := path.read_text()):
+            return text
+        text = make()
+        path.write_text(text)
+        return text
 
 
 def in_forked_child(fn, timeout: float = 60) -> bool:

@@ -19,10 +19,7 @@ from conftest import ROOT, wait_for
 from test_addresses import hold
 from test_launcher import NODES, PER_NODE, TOKEN, Cluster, explain, run_job
 
-# Tests that judge by the clock (which rank hung, a round's deadline, a port held for a
-# moment, a fault timed into a forming round) run alone (``serial``); the others, whose faults
-# are kills and exceptions that say who failed, run beside other tests.
-CLOCK = pytest.mark.serial
+pytestmark = pytest.mark.serial  # which rank is the culprit is judged by the clock
 
 TRAINER = ROOT / "tests" / "inprocess_trainer.py"
 WORLD = NODES * PER_NODE
@@ -81,7 +78,6 @@ def test_a_killed_rank_is_replaced_and_every_other_keeps_its_process(tmp_path, r
     assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
 
 
-@CLOCK
 @pytest.mark.slow
 def test_a_store_port_held_for_a_moment_at_start_is_still_served_by_the_controllers_node(
     tmp_path, reference
@@ -108,7 +104,6 @@ def test_a_store_port_held_for_a_moment_at_start_is_still_served_by_the_controll
     assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
 
 
-@CLOCK
 @pytest.mark.gpu
 def test_on_nccl_a_rank_that_dies_in_the_forming_barrier_is_replaced_within_the_deadline(
     tmp_path,
@@ -126,7 +121,6 @@ def test_on_nccl_a_rank_that_dies_in_the_forming_barrier_is_replaced_within_the_
     assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
 
 
-@CLOCK
 @pytest.mark.slow
 def test_survivors_blocked_in_a_subgroup_collective_are_released_and_the_groups_rebuilt(
     tmp_path, reference
@@ -183,7 +177,6 @@ def test_with_a_standalone_controller_its_recovery_store_serves_every_node(tmp_p
     assert events(run, "inprocess_recovered") and not events(run, "inprocess_fallback")
 
 
-@CLOCK
 @pytest.mark.slow
 def test_a_hung_rank_is_killed_replaced_and_the_ranks_waiting_on_it_recover(tmp_path, reference):
     # Node 0's ranks wait in the collective for rank 3 and go silent with it: a higher floor
@@ -199,7 +192,6 @@ def test_a_hung_rank_is_killed_replaced_and_the_ranks_waiting_on_it_recover(tmp_
     assert {r for r in range(WORLD) if before[r] == after[r]} == {0, 1, 2}, (before, after)
 
 
-@CLOCK
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,rank", [("stop", 3), ("sleep", 3), ("spin", 1)])
 def test_with_equal_hang_floors_on_every_node_the_rank_that_hung_is_the_one_replaced(
@@ -233,7 +225,6 @@ def test_an_exception_in_one_rank_reruns_training_in_every_process(tmp_path, ref
     assert not events(run, "replacement_started")
 
 
-@CLOCK
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["init"])  # the barrier: the NCCL test below
 def test_a_rank_that_dies_while_a_round_forms_after_an_exception_costs_one_more_round(
@@ -265,7 +256,6 @@ def test_with_no_standby_left_a_fault_falls_back_to_restarting_every_worker(tmp_
     assert fallback and "no standby" in fallback[0]["reason"], fallback
 
 
-@CLOCK
 @pytest.mark.slow
 def test_a_second_fault_during_recovery_takes_the_next_standby(tmp_path, reference):
     """The replacement dies before its round forms: the next standby takes the rank, the
