@@ -126,3 +126,32 @@ def test_a_round_moved_on_a_restarted_store_before_any_node_put_it_back(server):
     server.start()
     assert move_round(c, "ns", 1, None) == 2  # not round 1 again: the mover knew it left 1
     assert c.get("flashckpt/ns/round") == b"2"
+
+
+def test_a_launcher_puts_back_the_round_its_ranks_claimed_when_its_relay_lags(server, tmp_path,
+                                                                              monkeypatch):  # fmt: skip
+    """The relay last saw round 0, but the node's ranks claimed round 1 since (their events in
+    the node's log): the launcher puts back round 1 for the job and for each rank, so the
+    replacement of a rank killed next joins round 2, not the round the others are in."""
+    import json
+    from types import SimpleNamespace
+
+    from flashckpt.faults.inprocess_agent import Member, Supervisor
+
+    monkeypatch.setenv("FLASHCKPT_NODE", "node1")
+    log = tmp_path / "job.events.jsonl"
+    claims = [{"kind": "rank_claimed", "time": 1.0, "pid": 101, "rank": 2, "round": 0},
+              {"kind": "rank_claimed", "time": 2.0, "pid": 101, "rank": 2, "round": 1},
+              {"kind": "rank_claimed", "time": 2.0, "pid": 102, "rank": 3, "round": 1},
+              {"kind": "rank_claimed", "time": 3.0, "pid": 999, "rank": 2, "round": 7}]  # fmt: skip
+    log.write_text("".join(json.dumps(c) + "\n" for c in claims))  # pid 999: not a holder now
+    env = {"FLASHCKPT_RECOVERY_NAMESPACE": "ns"}
+    node = SimpleNamespace(members={0: Member(2, 101, env), 1: Member(3, 102, env)},
+                           relay=SimpleNamespace(round=0), recovery=None, holder="node1",
+                           job="job", _published=None, events=SimpleNamespace(path=log))  # fmt: skip
+    node._claimed = lambda: Supervisor._claimed(node)
+    assert node._claimed() == {2: 1, 3: 1}
+    c = StoreClient("127.0.0.1", server.port, timeout=10)
+    Supervisor._put_back(node, c)
+    assert c.get("flashckpt/ns/round") == b"1" and last_round(c, "ns", 2) == 1
+    assert move_round(c, "ns", last_round(c, "ns", 2), None) == 2
