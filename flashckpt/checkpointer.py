@@ -274,7 +274,7 @@ class Checkpointer:
             if self._events is not None:
                 self._events.record("restored", rank=self.rank, step=restored,
                                     seconds=time.monotonic() - began, source=self._restored_from)  # fmt: skip
-            self._stepping_again = restored is not None
+            self._stepping_again = True  # its first save says it trains (again, or at all)
             # Ready the slots off the training step, the one the first save() goes to first.
             self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
             # Freed before the collector runs again: what the walk made (a state_dict() per

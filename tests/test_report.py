@@ -258,3 +258,36 @@ def test_lost_nodes_are_split_by_whether_a_peers_replica_served_them():
         "lost nodes: 1 served by a peer's replica (1 step(s) recomputed), 1 from storage (11)"
         in text
     )
+
+
+def test_each_runs_start_up_is_a_cause_of_its_own_and_a_recoverys_first_step_stays_its():
+    """From a run's first launcher to every rank's first step the job trains nothing: each
+    run's start-up counts as lost, apart from the failures, whose first step after the
+    restore stays theirs."""
+    events = timeline(
+        (0, "launcher_started", {"node": "n0"}),
+        (0.5, "launcher_started", {"node": "n1"}),
+        (10.0, "restored", {"rank": 0, "step": None, "seconds": 0.01, "node": "n0"}),
+        (10.1, "restored", {"rank": 1, "step": None, "seconds": 0.01, "node": "n1"}),
+        (12.0, "stepped", {"rank": 0, "step": 0, "node": "n0"}),
+        (14.0, "stepped", {"rank": 1, "step": 0, "node": "n1"}),  # the run trains: 14 s
+        (20.20, "worker_exited", {"rank": 1, "worker_pid": 41, "step": 50, "silent_s": 0.2,
+                                  "node": "n1"}),
+        (26.0, "restored", {"rank": 0, "step": 50, "seconds": 0.1, "node": "n0"}),
+        (26.1, "restored", {"rank": 1, "step": 50, "seconds": 0.1, "node": "n1"}),
+        (26.9, "stepped", {"rank": 1, "step": 51, "node": "n1"}),
+        (27.3, "stepped", {"rank": 0, "step": 51, "node": "n0"}),
+        (60.0, "launcher_exited", {"node": "n0"}),
+        (60.1, "launcher_exited", {"node": "n1"}),
+        (100.0, "launcher_started", {"node": "n0"}),  # the job run again: a start-up of 5 s
+        (103.0, "restored", {"rank": 0, "step": 99, "seconds": 0.2, "node": "n0"}),
+        (105.0, "stepped", {"rank": 0, "step": 100, "node": "n0"}),
+        (130.0, "launcher_exited", {"node": "n0"}),
+    )  # fmt: skip
+    report = summarize(events)
+    assert report.startups == 2 and report.startup_s == pytest.approx(14.0 + 5.0)
+    (f,) = report.failures
+    assert f.resume_s == pytest.approx(27.3 - 20.2)  # not the next run's first step
+    assert report.lost_s() == pytest.approx(19.0 + f.detect_s + f.resume_s, abs=0.5)
+    assert "start-up 19.00s: launch to every rank's first step, 2 run(s)" in render(report)
+    assert report.to_dict()["startup_s"] == pytest.approx(19.0)

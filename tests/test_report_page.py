@@ -212,3 +212,18 @@ def test_hostile_event_fields_are_escaped_and_bad_lines_skipped(tmp_path):
     assert "<script" not in page and "&lt;script&gt;" in page
     root = ET.fromstring(report_svg.draw(tl, evil))
     assert root.find(f"{SVG}title").text == evil  # shown as text, parsed as such
+
+
+def test_the_jobs_start_up_is_a_cause_on_the_page():
+    """A run's launch to every rank's first step is lost time of its own in the bar."""
+    evs = events(
+        (0.0, "launcher_started", "node0", {}),
+        (6.0, "restored", "node0", {"rank": 0, "step": None, "seconds": 0.01}),
+        (8.0, "stepped", "node0", {"rank": 0, "step": 0}),
+        (40.0, "closed", "node0", {"rank": 0, "save_stall_s": 0.4, "step_s": 0.5, "saves": 60}),
+        (40.0, "launcher_exited", "node0", {}),
+    )  # fmt: skip
+    report = summarize(evs)
+    assert report.startup_s == pytest.approx(8.0)
+    page = report_page.render(timeline.build(evs, report), report)
+    assert re.search(r'title="start-up: 8(\.0+)?\s*s', page), page[page.find("lost-bar") :][:600]

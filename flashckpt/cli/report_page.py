@@ -18,6 +18,7 @@ from .common import Problem
 from .report_svg import PHASE_COLORS, clock, draw, effective_shown, headline, span
 
 STALL_COLOR = "#aec7e8"
+STARTUP_COLOR = "#ffbb78"  # the job's start-up: launch to every rank's first step
 
 TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -80,8 +81,9 @@ def _bar(parts: dict[str, float], colors: dict[str, str], total: float) -> list[
 
 
 def lost_by_cause(tl: Timeline, report: Report) -> dict[str, float]:
-    """Seconds lost, by cause: the save stall and each recovery phase, summed over failures."""
-    out = {"save stall": report.save_stall_s}
+    """Seconds lost, by cause: the job's start-up, the save stall and each recovery phase,
+    summed over failures."""
+    out = {"start-up": report.startup_s, "save stall": report.save_stall_s}
     for r in tl.recoveries:
         for p in r.phases:
             out[p.name] = out.get(p.name, 0.0) + (p.end - p.start)
@@ -110,7 +112,7 @@ def render(tl: Timeline, report: Report, projected: Any = None) -> str:
     """The page for the timeline ``tl`` of ``report``; ``projected``: a projection model."""
     shown = effective_shown(report)
     causes = lost_by_cause(tl, report)
-    colors = {"save stall": STALL_COLOR, **PHASE_COLORS}
+    colors = {"start-up": STARTUP_COLOR, "save stall": STALL_COLOR, **PHASE_COLORS}
     phase_names = [n for n in PHASE_COLORS if causes.get(n, 0) > 0]
     failures = []
     for r in tl.recoveries:

@@ -1,6 +1,9 @@
 """``flashckpt report``: effective training time from a job's event logs.
 
-    lost = steady save stall + failures x (detect + resume + recomputed steps)
+    lost = start-up + steady save stall + failures x (detect + resume + recomputed steps)
+
+The start-up is each run's, from its first launcher's start to every rank's first step (the
+first ``save()`` after the ``restore()`` at start): the job trains nothing meanwhile.
 
 A failure is a hang the watchdog detected, a worker that exited before closing, a node the
 controller lost (its agent went silent) or, under in-process recovery, an exception a rank's
@@ -75,9 +78,11 @@ class Report:
     step_s: float | None = None
     save_stall_s: float = 0.0
     stall_per_save_s: float | None = None  # the slowest rank's, when the logs count saves
+    startup_s: float = 0.0  # every run's launch to every rank's first step, summed
+    startups: int = 0
 
     def lost_s(self) -> float:
-        lost = self.save_stall_s
+        lost = self.save_stall_s + self.startup_s
         for f in self.failures:
             lost += f.detect_s + (f.resume_s or 0)
             steps = f.recomputed_steps()
@@ -92,7 +97,8 @@ class Report:
         return {
             "wall_s": self.wall_s, "lost_s": self.lost_s(), "step_s": self.step_s,
             "effective": self.effective(), "save_stall_s": self.save_stall_s,
-            "stall_per_save_s": self.stall_per_save_s,
+            "stall_per_save_s": self.stall_per_save_s, "startup_s": self.startup_s,
+            "startups": self.startups,
             "failures": [{**f.__dict__, "resume_s": f.resume_s, "from_replica": f.from_replica,
                           "recomputed_steps": f.recomputed_steps()} for f in self.failures],
             "node_losses": self.node_losses(), "recoveries": self.recoveries(),
@@ -144,10 +150,21 @@ class _Reader:
         self.launched: set[str] = set()  # nodes whose launcher started and has not exited
         self.ranks_of: dict[str, set[int]] = {}  # node -> ranks its launcher started
         self.steps: dict[str, int] = {}  # node -> the newest step its workers reported
+        # The run starting: when its first launcher started, and each rank's first step.
+        self.starting: tuple[float, dict[object, float]] | None = None
+
+    def end_startup(self) -> None:
+        """The run's start-up is over (a failure, another run, the logs' end): count it."""
+        if self.starting is not None and self.starting[1]:
+            began, first = self.starting
+            self.report.startup_s += max(first.values()) - began
+            self.report.startups += 1
+        self.starting = None
 
     def current(self, at: float, kind: str, detect_s: float, step: int | None) -> Failure:
         """The open failure, or a new one if the last has resumed."""
         if self.open is None or self.open.resumed_at is not None:
+            self.end_startup()
             origin = at - detect_s  # the failing rank's last heartbeat
             if self.peer_fault_at is not None:  # a peer's collective failed first
                 at = min(at, self.peer_fault_at)
@@ -198,6 +215,8 @@ class _Reader:
             self.steps.pop(node, None)
             if not self.launched:  # another run of the job: what it restores ends no failure
                 self.open = None
+                self.end_startup()
+                self.starting = (t, {})
         self.launched.add(node)
         self.ranks_of[node] = set()
 
@@ -294,6 +313,9 @@ class _Reader:
             f.sources.append(e["source"])
 
     def on_stepped(self, e: dict, t: float) -> None:
+        if self.starting is not None:  # a rank's first step of the run
+            self.starting[1].setdefault(e.get("rank"), t)
+            return
         f = self.report.failures[-1] if self.report.failures else None
         if f is not None and f.resumed_at is not None and t >= f.resumed_at - 1e-3:
             f.stepped_at = max(f.stepped_at or t, t)
@@ -313,6 +335,7 @@ def summarize(events: list[dict]) -> Report:
     reader = _Reader(report)
     for e in events:
         reader.event(e)
+    reader.end_startup()
     report.step_s = statistics.median(reader.step_times) if reader.step_times else None
     # The ranks stall side by side: the job loses what its slowest rank lost.
     report.save_stall_s = max(reader.stalls.values(), default=0.0)
@@ -356,6 +379,9 @@ def render(report: Report) -> str:
         done = report.recoveries()
         lines.append(f"recovered: {done['in_process']} in-process, {done['spare_node']} by a spare "
                      f"node taking a lost node (in-process), {done['restart']} by a full restart")  # fmt: skip
+    if report.startups:
+        lines.append(f"start-up {report.startup_s:.2f}s: launch to every rank's first step, "
+                     f"{report.startups} run(s)")  # fmt: skip
     step = f"{report.step_s * 1000:.1f} ms" if report.step_s else "unknown"
     lines.append(f"typical step {step}; save stall {report.save_stall_s:.2f}s (the slowest rank's)")
     effective = report.effective()
