@@ -188,7 +188,16 @@ class Endpoint:
 # knows within about 5 s, and the controller is rid of a silent node's streams as fast,
 # instead of waiting for TCP to give up (some 15 minutes).
 KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 2000, 3000
+# A channel that lost its controller dials again at most RECONNECT_MAX_MS apart, each dial
+# given at least RECONNECT_MIN_MS: gRPC's own backoff grows to two minutes and its first dial
+# may wait 20 s for a host that does not answer, so after a 30 s cut a node was heard again
+# 9 s after the heal, and found lost by a controller that had heard the others (it gives the
+# rest the node timeout and ``REDIAL_S`` to be heard).
+RECONNECT_MIN_MS, RECONNECT_MAX_MS = 1000, 2000
 CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
