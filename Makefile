@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 # Two processes share the machine's cores; the tests that judge by the clock then run alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not serial"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 lint: $(STAMP)
