@@ -42,6 +42,7 @@ it took for the job (``stale``: StaleWriterError here) and a node the controller
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import hashlib
@@ -254,19 +255,62 @@ class PeerTier(Tier):
         endpoint = Endpoint.load(config.run_dir(), job)
         token = endpoint.token if endpoint is not None else ""
         peer = await self._holder(job, reading)
+        socks: list[socket.socket] = []
 
         def run() -> Any:
             with self._connect(peer, job, token) as sock:
+                socks.append(sock)
+                if moved:  # found lost while this connected: the watch shut nothing
+                    raise TierUnavailableError(moved[0])
                 return fn(sock, peer, *args)
 
+        moved: list[str] = []
         try:
-            return await in_thread(run, stop=stop)  # a cancelled caller waits for it
-        except wire.WireError as exc:
-            self._forget()
-            raise _as_error(exc, peer) from None
-        except (OSError, TierUnavailableError):
+            work = in_thread(run, stop=stop)  # a cancelled caller waits for it
+            return await (work if reading else self._watched(work, job, peer, socks, moved))
+        except (wire.WireError, OSError, TierUnavailableError) as exc:
             self._forget()  # the holder may have moved: look again next time
+            if moved:
+                raise TierUnavailableError(
+                    f"peer {peer.name} at {peer.address}: {moved[0]}: the write to it was cut "
+                    "off, and the next goes to the new holder"
+                ) from None
+            if isinstance(exc, wire.WireError):
+                raise _as_error(exc, peer) from None
             raise
+
+    async def _watched(self, work: Any, job: str, peer: PeerNode, socks: list[socket.socket],
+                       moved: list[str]) -> Any:  # fmt: skip
+        """Await a write to ``peer``, asking the controller every ``peer_timeout()`` while it
+        lasts whether ``peer`` was found lost. Once it was (it lost power, or was cut off),
+        the write's connection is shut: it fails now, not after its send deadline
+        (``BULK_SEND_S``: 30 s), and this node's next snapshot goes to its new holder instead
+        of waiting behind a silent one. The reason is put in ``moved``."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait({task}, timeout=peer_timeout()))[0]:
+                why = await self._lost(job, peer)
+                if why:
+                    moved.append(why)
+                    for sock in socks:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                    break
+            return await task
+        except asyncio.CancelledError:
+            task.cancel()
+            await threads.settled(task)
+            raise
+
+    async def _lost(self, job: str, peer: PeerNode) -> str:
+        """Why ``peer`` is to be written to no more ("" while it may be, or while the
+        controller cannot say)."""
+        try:
+            if await declared_lost(job, peer.name, timeout=peer_timeout()):
+                return f"the controller declared node {peer.name} lost"
+        except TierUnavailableError:
+            pass
+        return ""
 
     async def put(self, key: str, chunks: AsyncIterator[memoryview] | list[memoryview],
                   size: int, exclusive: bool = False) -> None:  # fmt: skip

@@ -42,11 +42,11 @@ async def in_thread(
     except asyncio.CancelledError:
         if stop is not None:
             stop.set()
-        await _settled(future)
+        await settled(future)
         raise
 
 
-async def _settled(future: asyncio.Future[Any]) -> None:
+async def settled(future: asyncio.Future[Any]) -> None:
     """Wait until ``future`` is done, through further cancellations (its caller re-raises)."""
     while not future.done():
         try:

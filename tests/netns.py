@@ -200,7 +200,17 @@ class Hosts:
         """Undo ``unplug`` and ``partition``: every port of the host up and forwarding."""
         for port in self._ports(i, None):
             _ip("ip", "-n", self.switch, "link", "set", port, "up")
-            _ip("bridge", "-n", self.switch, "link", "set", "dev", port, "state", "3")
+            # A port just set up forwards only once its carrier is seen (the kernel's link
+            # watch, up to a second later); until then the bridge refuses a state ("Network
+            # is down"), and once it comes the port forwards by itself.
+            deadline = time.monotonic() + _CMD_S
+            argv = ("bridge", "-n", self.switch, "link", "set", "dev", port, "state", "3")
+            while (done := _ip(*argv, check=False)).returncode != 0:
+                if "Network is down" not in done.stderr or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}"
+                    )
+                time.sleep(0.05)
 
     def move_address(self, address: str, to: int, net: int = MANAGEMENT) -> None:
         """Host ``to`` takes ``address`` over (another host's, lost), and the others send to

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -109,3 +111,57 @@ def test_a_node_the_controller_declared_lost_is_refused_until_it_reports_again(n
                                     ranks=[0], world_size=1))  # fmt: skip
     asyncio.run(tier.put("pj/after", [memoryview(b"a")], 1))
     assert asyncio.run(tier.list("pj/")) == ["pj/after", "pj/before"]
+
+
+def test_a_write_to_a_holder_that_falls_silent_ends_once_the_controller_declares_it_lost(
+    nodes, monkeypatch
+):
+    """Node 0's replica holder takes a put's request and then says nothing more (its host lost
+    power mid-transfer). The put fails as soon as the controller declares the holder lost,
+    saying so, not after the transfer's send deadline (30 s, 60 s for a reply), and node 0's
+    next put goes to the node that holds its replica now."""
+    monkeypatch.setenv("FLASHCKPT_NODE_TIMEOUT", "0.5")  # the controller's
+    monkeypatch.setenv("FLASHCKPT_PEER_TIMEOUT", "0.3")  # how often a long write looks
+    cluster = nodes(["node0", "node1", "node2"])
+    controller = cluster.controller.controller
+    cluster.as_node("node0")
+    tier = open_tier("peer://auto")
+    asyncio.run(tier.put("pj/before", [memoryview(b"b")], 1))
+    holder = tier.peer.name
+    (other,) = {"node1", "node2"} - {holder}
+
+    async def silent(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(cluster.stores[holder], "_put", silent)
+
+    def report(node: str) -> None:
+        worker = pb.Worker(rank=int(node[-1]), pid=os.getpid(), phase="train", step=1,
+                           age_s=1.0, alive=True)  # fmt: skip
+        controller.report(pb.NodeReport(job="pj", node=node, agent_id=f"{node}-a",
+                                        workers=[worker], ranks=[int(node[-1])], world_size=3,
+                                        peer_address=cluster.stores[node].address))  # fmt: skip
+
+    report(holder)  # a node with workers, then silent
+    done = threading.Event()
+
+    def others() -> None:
+        while not done.wait(0.1):
+            for node in ("node0", other):
+                report(node)
+
+    reporter = threading.Thread(target=others, daemon=True)
+    reporter.start()
+    try:
+        began = time.monotonic()
+        with pytest.raises(TierUnavailableError, match=f"declared node {holder} lost: the write"):
+            asyncio.run(tier.put("pj/during", [memoryview(b"d" * 1000)], 1000))
+        took = time.monotonic() - began
+        assert controller.jobs["pj"].nodes[holder].lost
+        assert took < 10, took
+        asyncio.run(tier.put("pj/after", [memoryview(b"a")], 1))
+        assert tier.peer.name == other
+    finally:
+        done.set()
+        reporter.join(5)
+    assert asyncio.run(tier.list("pj/")) == ["pj/after"]

@@ -428,10 +428,10 @@ def test_a_host_cut_off_the_management_network_is_fenced_and_the_spare_takes_it(
         originals = {int(r): int(p) for r, p in re.findall(r"restored ([23]) \S+ pid=(\d+)", log1)}
         cut = time.time()
         h.partition(1, netns.MANAGEMENT)
-        gone = poll(lambda: all(is_dead(p) for p in originals.values()), 60, 0.1)
         ended = poll(lambda: all(cluster.procs[n].poll() is not None for n in (0, 2)), 240, 0.2)
-        h.heal(1)
+        h.heal(1)  # the job ended: node 1 finds no store, controller or rendezvous any more
         healed = time.time()
+        gone = poll(lambda: all(is_dead(p) for p in originals.values()), 60, 0.1)
         left = poll(lambda: cluster.procs[1].poll() is not None, 120, 0.2)
         left_s = time.time() - healed
     except BaseException:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -31,8 +32,10 @@ from flashckpt.faults.events import EventLog, read_events
 from flashckpt.faults.inprocess import EXIT_CLAIMED, NAMESPACE_ENV, last_round, move_round
 from flashckpt.faults.inprocess_agent import Member, Supervisor
 from flashckpt.faults.spare_marks import (
+    current_run,
     mark_replaced,
     run_ended,
+    run_key,
     run_started,
     unmark_replaced,
     was_replaced,
@@ -135,6 +138,57 @@ def test_a_launcher_whose_node_a_spare_took_stops_its_workers_and_replaces_none(
         alive.kill()
         alive.wait()
         dead.wait()
+
+
+# ---- the exit barrier of a job a spare took a node of -------------------------------------
+
+
+def test_the_launcher_serving_the_store_leaves_the_exit_barrier_after_every_other_node(
+    store, tmp_path, monkeypatch
+):
+    """Node 0's launcher serves the recovery store; spare node 2 runs node 1's ranks. Both
+    finish: node 0 leaves the barrier only once node 2 has seen every node finished and said
+    the run ended (node 2 looking at a store that left with node 0 waited out its reconnect
+    window, 30 s). Node 2's own stop says nothing more; with a node that never leaves, node 0
+    waits ``LEAVING_S``, no longer."""
+    from flashckpt.faults import inprocess_agent
+
+    server, address = store
+    env = {NAMESPACE_ENV: "ns1", "FLASHCKPT_JOB": JOB}
+    run_started(server, JOB, "ns1")
+    serving = supervisor_of(tmp_path, address, "node0",
+                            {0: Member(0, os.getpid(), env), 1: Member(1, os.getpid(), env)})  # fmt: skip
+    serving.serves_store = True
+    spare_node = supervisor_of(tmp_path, address, "node2",
+                               {0: Member(2, os.getpid(), env), 1: Member(3, os.getpid(), env)})  # fmt: skip
+    left: dict[str, float] = {}
+
+    def finish(s: Supervisor, name: str) -> None:
+        s.finished_together(30)
+        left[name] = time.monotonic()
+
+    spare_thread = threading.Thread(target=finish, args=(spare_node, "spare"))
+    spare_thread.start()
+    assert poll(lambda: server.add("flashckpt/ns1/finished", 0) == 1, 10)  # the spare waits
+    time.sleep(0.25)  # between two of its looks
+    finish(serving, "serving")
+    spare_thread.join(10)
+    assert left["spare"] <= left["serving"] < left["spare"] + 2, left
+    assert current_run(server, JOB) == ""  # said by the spare, while the store was there
+    server.set(run_key(JOB), "ns2")  # a later run: the spare's stop must not touch the store
+    spare_node.stop()
+    assert current_run(server, JOB) == "ns2"
+
+    # The other node never leaves (it died between the two counts): a bounded wait.
+    monkeypatch.setattr(inprocess_agent, "LEAVING_S", 0.5)
+    env2 = {NAMESPACE_ENV: "ns2", "FLASHCKPT_JOB": JOB}
+    server.add("flashckpt/ns2/finished", 1)
+    alone = supervisor_of(tmp_path, address, "node0",
+                          {0: Member(0, os.getpid(), env2), 1: Member(1, os.getpid(), env2)})  # fmt: skip
+    alone.serves_store = True
+    began = time.monotonic()
+    alone.finished_together(30)
+    assert 0.4 < time.monotonic() - began < 3
 
 
 # ---- a round admits one claimant per rank ---------------------------------------------------

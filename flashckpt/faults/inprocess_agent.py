@@ -153,6 +153,7 @@ class Recovery:
 
 RELAY_PATIENCE_S = 2.0  # how long one look of the round relay waits for a lost store
 LAST_WORD_S = 5.0  # how long a launcher that stops its workers waits for a lost store
+LEAVING_S = 10.0  # how long the launcher serving the store waits for the others to leave it
 
 
 class RoundRelay(threading.Thread):
@@ -198,7 +199,8 @@ class RoundRelay(threading.Thread):
 
 
 class Supervisor:
-    def __init__(self, events: EventLog, store_address: str, deadline: float, standbys: int):
+    def __init__(self, events: EventLog, store_address: str, deadline: float, standbys: int,
+                 serves_store: bool = False):  # fmt: skip
         from .control import split_address
 
         host, port = split_address(store_address, "the recovery store")
@@ -222,6 +224,8 @@ class Supervisor:
         self.fenced = ""  # the spare that took this node's ranks, once this launcher knows
         self._round_seen: int | None = None
         self.overdue = Overdue(events)  # a worker killed whose kill has not taken: lost
+        self.serves_store = serves_store  # the store lives in this launcher: it leaves last
+        self._said_ended = False  # the run's end said in the exit barrier (see finished_together)
 
     # ---- the worker group's life ------------------------------------------------------
     def started(self, wg: WorkerGroup, pids: dict[int, int], envs: dict[int, dict]) -> None:
@@ -229,6 +233,7 @@ class Supervisor:
         local rank -> the variables it set for that worker over the launcher's own)."""
         self.members.clear()
         self.recovery = None
+        self._said_ended = False
         self.args = tuple(wg.spec.args)
         self.standbys.script = list(self.args)
         self.holder = config.node_name()
@@ -318,24 +323,42 @@ class Supervisor:
     def finished_together(self, timeout: float) -> None:
         """The exit barrier of a worker group a spare took a node of (TorchElastic's waits
         for the lost node's launcher): count this node finished in the recovery store and wait
-        up to ``timeout`` for every node (the world over this node's ranks), so that the node
-        serving the store exits last and nobody loses it while finishing."""
+        up to ``timeout`` for every node (the world over this node's ranks).
+
+        Where the store lives in a launcher (``serves_store``), that launcher leaves last: the
+        others, once they saw every node finished, say the run ended and count themselves gone,
+        and it waits (``LEAVING_S`` at most) until all have. Without that, a node still looking
+        at the count when the serving launcher exited waited out its reconnect window (30 s)
+        for a store that was gone."""
         if not self.members:
             return
-        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}/finished"
+        prefix = f"flashckpt/{namespace(next(iter(self.members.values())).env)}"
         nodes = max(1, self.world // len(self.members))
-        deadline = time.monotonic() + timeout
         try:
-            done = int(self.store.add(key, 1))
-            while done < nodes and time.monotonic() < deadline:
-                time.sleep(0.1)
-                done = int(self.store.add(key, 0))
+            done = self._count_until(f"{prefix}/finished", nodes, time.monotonic() + timeout)
+            if done < nodes:
+                log.warning("exit barrier: %d of %d nodes finished within %.0fs", done, nodes,
+                            timeout)  # fmt: skip
+                return
+            if not self.serves_store:
+                self._end_run(self.store)
+                self._said_ended = True
+            leaving = time.monotonic() + (LEAVING_S if self.serves_store else 0.0)
+            self._count_until(f"{prefix}/leaving", nodes, leaving)
         except Exception as exc:  # the store gone: the others have finished or cannot
             log.info("exit barrier: %s", exc)
-            return
-        if done < nodes:
-            log.warning("exit barrier: %d of %d nodes finished within %.0fs", done, nodes,
-                        timeout)  # fmt: skip
+
+    def _count_until(self, key: str, nodes: int, deadline: float) -> int:
+        """Count this node in ``key``, then look until ``nodes`` are or ``deadline`` passes."""
+        done = int(self.store.add(key, 1))
+        while done < nodes and time.monotonic() < deadline:
+            time.sleep(0.1)
+            done = int(self.store.add(key, 0))
+        return done
+
+    def _end_run(self, store: Any) -> None:
+        if self.members:
+            run_ended(store, self.job, namespace(next(iter(self.members.values())).env))
 
     def stop(self) -> None:
         """Kill the replacements (TorchElastic stops the workers it started), and end the
@@ -344,12 +367,11 @@ class Supervisor:
         for m in self.members.values():
             if m.replacement is not None and m.replacement.poll() is None:
                 reap(m.replacement, m.rank, self.events, "stopping a replacement")
-        if self.members and not self.fenced:
-            ns = namespace(next(iter(self.members.values())).env)
+        if self.members and not self.fenced and not self._said_ended:
             with contextlib.suppress(Exception):  # the store gone: so is the run
                 store = self._store or StoreClient(*self.address, timeout=LAST_WORD_S)
                 with store.patience(LAST_WORD_S):  # a courtesy: the next run says its own
-                    run_ended(store, self.job, ns)
+                    self._end_run(store)
 
     def close(self) -> None:
         self.stop()
@@ -611,10 +633,13 @@ def round_prefix() -> str | None:
     return f"flashckpt/{relay.ns}/round-{round}"
 
 
-def install(events: EventLog, store_address: str, deadline: float, standbys: int) -> None:
+def install(events: EventLog, store_address: str, deadline: float, standbys: int,
+            serves_store: bool = False) -> None:  # fmt: skip
     """Make ``torch.distributed.run`` use RecoveringAgent for this launcher's workers, which
-    reach the job's recovery store at ``store_address`` (on loopback, see ``store_gate``)."""
+    reach the job's recovery store at ``store_address`` (on loopback, see ``store_gate``;
+    ``serves_store``: the store lives in this launcher)."""
     import torch.distributed.launcher.api as launcher_api
 
-    RecoveringAgent.supervisor = Supervisor(events, store_address, deadline, standbys)
+    RecoveringAgent.supervisor = Supervisor(events, store_address, deadline, standbys,
+                                            serves_store)  # fmt: skip
     launcher_api.LocalElasticAgent = RecoveringAgent  # type: ignore[misc]

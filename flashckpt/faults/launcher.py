@@ -192,7 +192,7 @@ def in_process(args, events: EventLog, shm_dir: Path, job: str, serves_controlle
     os.environ[ROUND_FILE_ENV] = str(private_dir(shm_dir, "shm_dir") / f"{job}.recovery-round")
     deadline = config.setting_float("recovery_deadline", None, 30.0, lo=1.0)
     standbys = int(config.setting_float("standby", None, 1.0, lo=0.0))
-    install(events, local, deadline, standbys)
+    install(events, local, deadline, standbys, serves_store=isinstance(keep, StoreGate))
     log.info("in-process recovery: %d warm standby(s), rounds form within %.0fs", standbys,
              deadline)  # fmt: skip
     return keep
