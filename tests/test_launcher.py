@@ -86,8 +86,9 @@ class Cluster:
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
                  trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
                  spares: int = 0, hosts: Hosts | None = None, control: ControlPlane | None = None,
-                 **env: str):  # fmt: skip
+                 max_restarts: int = 3, **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
+        self.max_restarts = max_restarts
         self.per_node, self.spares, self.hosts = per_node, spares, hosts
         assert hosts is None or len(hosts) >= nodes, "one host a node"
         self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
@@ -129,7 +130,7 @@ class Cluster:
             rdzv = self.control.rdzv_args()
         cmd = [str(LAUNCHER), *spare, f"--nnodes={self.n - self.spares}",
                f"--nproc-per-node={self.per_node}", *rdzv, f"--rdzv-id={self.job}",
-               "--max-restarts=3", "--monitor-interval=0.1", f"--local-addr={self.addr(node)}",
+               f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1", f"--local-addr={self.addr(node)}",
                str(self.trainer)]  # fmt: skip
         if self.hosts is not None:
             cmd = self.hosts.command(node, cmd)
@@ -196,9 +197,10 @@ class Cluster:
 
 def run_job(tmp: Path, name: str, timeout: float = 240, node_env: tuple[dict, ...] = ({}, {}),
             trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
-            **env: str) -> Run:  # fmt: skip
+            max_restarts: int = 3, **env: str) -> Run:  # fmt: skip
     """Every node from start to end; waits for all to exit."""
-    cluster = Cluster(tmp, name, node_env, trainer, nodes, per_node, **env)
+    cluster = Cluster(tmp, name, node_env, trainer, nodes, per_node, max_restarts=max_restarts,
+                      **env)  # fmt: skip
     try:
         for node in range(nodes):
             cluster.start(node)

@@ -29,7 +29,13 @@ from test_spare_nodes import spare_cluster
 
 from flashckpt.faults import control
 from flashckpt.faults.events import EventLog, read_events
-from flashckpt.faults.inprocess import EXIT_CLAIMED, NAMESPACE_ENV, last_round, move_round
+from flashckpt.faults.inprocess import (
+    EXIT_CLAIMED,
+    EXIT_GAVE_UP,
+    NAMESPACE_ENV,
+    last_round,
+    move_round,
+)
 from flashckpt.faults.inprocess_agent import Member, Supervisor
 from flashckpt.faults.spare_marks import (
     current_run,
@@ -235,6 +241,29 @@ def test_a_second_claimant_of_a_rank_in_a_round_exits_and_is_not_counted(store, 
         assert proc.returncode == 0 and f"formed 0 {rank} 2" in out, err[-3000:]
     (refused,) = read_events(tmp_path / "second.events.jsonl")
     assert refused["kind"] == "inprocess_claim_refused" and "first" in refused["holder"]
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_a_round_gives_up_at_once_when_a_launcher_stops_its_workers(
+    store, tmp_path
+):
+    """Rank 1 waits for round 0 to form (a deadline of 60 s), rank 0 never comes: a launcher
+    stops its workers (the job restarts whole), and the rank gives up within seconds, as does
+    one arriving later, instead of at the deadline."""
+    server, address = store
+    waiting = rank_process(address, 1, tmp_path, "waiting")
+    assert poll(lambda: server.check(["flashckpt/claims/round-0/claim-1"]), 60, 0.05)
+    env = {NAMESPACE_ENV: "claims", "FLASHCKPT_JOB": JOB}
+    stopped = time.monotonic()
+    supervisor_of(tmp_path, address, "node0", {0: Member(0, os.getpid(), env)}).stop()
+    for proc in (waiting, rank_process(address, 0, tmp_path, "late")):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == EXIT_GAVE_UP, err[-3000:]
+        assert "the job's worker group ended" in err, err[-3000:]
+    assert time.monotonic() - stopped < 20  # each process's start included
+    events = read_events(tmp_path / "waiting.events.jsonl")
+    ended = [e for e in events if e["kind"] == "inprocess_group_ended"]
+    assert [e["round"] for e in ended] == [0], events
 
 
 def test_a_replacement_joins_a_round_after_every_one_its_rank_was_claimed_in(store):

@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 
 EXIT_GAVE_UP = 75
 """A worker's exit status when in-process recovery cannot go on (its round did not form in
-time, the budget is spent, the same error came back): restart everything."""
+time, the budget is spent, the same error came back, the worker group ended): restart
+everything."""
 EXIT_CLAIMED = 77
 """A worker's exit status when another process holds its rank in its round: it stands down."""
 STORE_ENV = "FLASHCKPT_RECOVERY_STORE"  # host:port of the launcher's recovery store
@@ -228,6 +229,17 @@ def move_round(store: Any, ns: str, past: int, step: int | None) -> int:
     return now
 
 
+def end_rounds(store: Any, ns: str) -> None:
+    """The worker group of namespace ``ns`` is over (a launcher stops its workers: the job
+    restarts whole, or has finished): its rounds form no more. Ranks waiting for the current
+    round to form wake and give up at once, instead of at the recovery deadline (a spare's
+    ranks taken into a round the job's restart left behind)."""
+    key = f"flashckpt/{ns}"
+    store.set(f"{key}/ended", "1")
+    now = int(store.get(f"{key}/round").decode()) if store.check([f"{key}/round"]) else 0
+    store.set(f"{key}/round-{now}/formed", "ended")
+
+
 def restore_round(store: Any, ns: str, round: int, ranks: Mapping[int, int]) -> int:
     """Put the job's round back in a store that restarted (``store_client``): at least
     ``round`` (a node's newest), whichever node comes first, and the round each of the node's
@@ -363,6 +375,7 @@ class Rounds:
         round meanwhile (a rank that arrived has died, and was replaced into the next)."""
         if self.round > 0:
             self._check_budget()
+        self._check_ended()
         self._claim()
         self.store.set(self.key(f"rank-{self.rank}/round"), str(self.round))
         arrived, formed = (
@@ -378,6 +391,7 @@ class Rounds:
             self.store.wait([formed], datetime.timedelta(seconds=max(left, 0.001)))
         except Exception:
             self._give_up(f"{int(self.store.add(arrived, 0))} of {self.world} ranks arrived")
+        self._check_ended()
         if self._current_round() > self.round:
             return False
         # Made and checked within what is left of the deadline: a rank that dies meanwhile
@@ -442,6 +456,16 @@ class Rounds:
 
     def _move_on(self) -> int:
         return move_round(self.store, self.ns, self.round, heartbeat.last_step())
+
+    def _check_ended(self) -> None:
+        """Give up where the worker group is over (``end_rounds``): a launcher stopped its
+        workers, so the job restarts whole and this round can never form."""
+        if self.store.check([self.key("ended")]):
+            log.warning("rank %d: the job's worker group ended (a launcher stopped its "
+                        "workers: the job restarts whole); leaving round %d", self.rank,
+                        self.round)  # fmt: skip
+            self._record("inprocess_group_ended")
+            os._exit(EXIT_GAVE_UP)
 
     def _check_budget(self) -> None:
         """Give up on in-process recovery once the job has recovered ``budget.count`` times

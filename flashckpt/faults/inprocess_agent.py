@@ -51,6 +51,7 @@ from .inprocess import (
     NAMESPACE_ENV,
     ROUND_ENV,
     ROUND_FILE_ENV,
+    end_rounds,
     last_round,
     move_round,
     namespace,
@@ -358,7 +359,9 @@ class Supervisor:
 
     def _end_run(self, store: Any) -> None:
         if self.members:
-            run_ended(store, self.job, namespace(next(iter(self.members.values())).env))
+            ns = namespace(next(iter(self.members.values())).env)
+            run_ended(store, self.job, ns)
+            end_rounds(store, ns)
 
     def stop(self) -> None:
         """Kill the replacements (TorchElastic stops the workers it started), and end the
