@@ -20,7 +20,9 @@ restores go into states of the same shapes (the targets). Per size, in interleav
   two thirds of the bytes without copying them: no like-for-like restore);
 - saves: flashckpt ``save()`` (blocking; the checksums it leaves run untimed between calls),
   DCP ``async_save``, the blocking part (its ``state_dict()`` calls included, as a training
-  loop makes them), and DLRover's flash checkpoint to memory;
+  loop makes them), DCP's ``save`` through ``flashckpt.dcp`` (blocking, its ``state_dict()``
+  calls included), and DLRover's flash checkpoint to memory; DCP's ``load`` through
+  ``flashckpt.dcp`` is a restore row;
 - from a node tier: flashckpt ``restore()`` from a ``file://`` tier (a step the agent stored
   once beforehand; the reading Checkpointer's shared memory holds nothing), verified, its
   files in the page cache, against its own baseline: a plain ``readinto`` of each of the
@@ -128,6 +130,39 @@ def dcp_load(state: dict, target: dict, where: str):
     return run
 
 
+def dcp_flash(state: dict, target: dict):
+    """DCP's own calls with flashckpt's storage (``flashckpt.dcp``): ``dcp.save`` of the
+    state dicts (their ``state_dict()`` calls included) through a ``Writer``, blocking (the
+    checksums it leaves run untimed between calls), and ``dcp.load`` through a ``Reader`` of
+    the newest such save into the target's state dicts, then ``load_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+
+    import flashckpt.dcp
+
+    ck = Checkpointer(job=f"many-dcp-{uuid.uuid4().hex[:6]}")
+    with warnings.catch_warnings():  # DCP says once per call that no process group is set up
+        warnings.simplefilter("ignore")
+        for step in (0, 1):  # the slots readied, as for save()
+            dcp.save(
+                state_dicts(state), checkpoint_id=step, storage_writer=flashckpt.dcp.Writer(ck)
+            )
+
+    def save(i: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state_dicts(state), checkpoint_id=i + 2,
+                     storage_writer=flashckpt.dcp.Writer(ck))  # fmt: skip
+
+    def load(i: int) -> None:
+        sd = state_dicts(target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=flashckpt.dcp.Reader(ck))
+        load_state_dicts(target, sd)
+
+    return save, lambda i: ck._sealer.drain(), load, ck
+
+
 def dlrover(state: dict, target: dict, where: str):
     """DLRover's flash checkpoint of ``state`` to memory, and its restore from memory into
     ``target`` (``load_checkpoint()``, then each tensor copied into the target's); None if it
@@ -188,7 +223,8 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
     state = state_of(tensors, args.mib, seed=0)
     # The restore targets: states of the same shapes. DCP and DLRover load into their own, as
     # an optimizer's load_state_dict may keep the tensors it is given (DLRover's memory).
-    target, dcp_target, dl_target = (state_of(tensors, args.mib, seed=s) for s in (1, 2, 3))
+    target, dcp_target, dl_target, flash_target = (state_of(tensors, args.mib, seed=s)
+                                                   for s in (1, 2, 3, 4))  # fmt: skip
     nbytes = size_of(local_tensors(state))
     flat_src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     flat_dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
@@ -207,7 +243,11 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
         "readinto": (read, None),
         "tier_restore": (tier_restore, None),
     }
-    restored = {"restore": target, "tier_restore": target, "dcp_load": dcp_target}
+    flash_save, flash_drain, flash_load, flash_ck = dcp_flash(state, flash_target)
+    methods["dcp_flash_save"] = (flash_save, flash_drain)
+    methods["dcp_flash_load"] = (flash_load, None)
+    restored = {"restore": target, "tier_restore": target, "dcp_load": dcp_target,
+                "dcp_flash_load": flash_target}  # fmt: skip
     dl = dlrover(state, dl_target, f"{where}/dlrover")
     if dl is not None:
         restored["dlrover_restore"] = dl_target
@@ -229,6 +269,7 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
                 times[key].append(t)
     ck.close()
     reader.close()
+    flash_ck.close()
     for into in (state for key, state in restored.items() if key in methods):  # each restored
         assert all(map(torch.equal, local_tensors(into), local_tensors(state)))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -250,9 +291,11 @@ ROWS = [  # (heading, the baseline of the rows, {key: label}); ratio = baseline'
         "memcpy": "one memcpy of the same bytes",
         "restore": "flashckpt restore() from memory, verified",
         "dcp_load": "DCP load + load_state_dict",
+        "dcp_flash_load": "DCP load through flashckpt.dcp + load_state_dict",
         "dlrover_restore": "DLRover 0.6.1 restore from memory + copy into the state",
         "save": "flashckpt save(), blocking",
         "dcp_async": "DCP async_save, blocking part",
+        "dcp_flash_save": "DCP save through flashckpt.dcp, blocking",
         "dlrover": "DLRover 0.6.1 flash checkpoint to memory",
     }),
     ("from a node tier, its files in the page cache:", "readinto", {

@@ -43,7 +43,14 @@ _LAZY = {
 }
 
 
+_SUBMODULES = ("dcp",)  # ``flashckpt.dcp`` without importing it first
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name in _LAZY:
         import importlib
 
@@ -54,7 +61,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 __version__ = "0.1.0"

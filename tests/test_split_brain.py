@@ -31,7 +31,7 @@ from flashckpt.faults import control
 from flashckpt.faults.events import EventLog, read_events
 from flashckpt.faults.inprocess import (
     EXIT_CLAIMED,
-    EXIT_GAVE_UP,
+    EXIT_GROUP_ENDED,
     NAMESPACE_ENV,
     last_round,
     move_round,
@@ -258,7 +258,7 @@ def test_a_rank_waiting_for_a_round_gives_up_at_once_when_a_launcher_stops_its_w
     supervisor_of(tmp_path, address, "node0", {0: Member(0, os.getpid(), env)}).stop()
     for proc in (waiting, rank_process(address, 0, tmp_path, "late")):
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == EXIT_GAVE_UP, err[-3000:]
+        assert proc.returncode == EXIT_GROUP_ENDED, err[-3000:]
         assert "the job's worker group ended" in err, err[-3000:]
     assert time.monotonic() - stopped < 20  # each process's start included
     events = read_events(tmp_path / "waiting.events.jsonl")

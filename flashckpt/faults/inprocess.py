@@ -63,8 +63,11 @@ log = logging.getLogger(__name__)
 
 EXIT_GAVE_UP = 75
 """A worker's exit status when in-process recovery cannot go on (its round did not form in
-time, the budget is spent, the same error came back, the worker group ended): restart
-everything."""
+time, the budget is spent, the same error came back): restart everything."""
+EXIT_GROUP_ENDED = 79
+"""A worker's exit status when its worker group ended while it waited for a round to form
+(another launcher stopped its workers, ``end_rounds``): its launcher waits for the job's
+restart, which TorchElastic's rendezvous brings, instead of failing on its own."""
 EXIT_CLAIMED = 77
 """A worker's exit status when another process holds its rank in its round: it stands down."""
 STORE_ENV = "FLASHCKPT_RECOVERY_STORE"  # host:port of the launcher's recovery store
@@ -465,7 +468,7 @@ class Rounds:
                         "workers: the job restarts whole); leaving round %d", self.rank,
                         self.round)  # fmt: skip
             self._record("inprocess_group_ended")
-            os._exit(EXIT_GAVE_UP)
+            os._exit(EXIT_GROUP_ENDED)
 
     def _check_budget(self) -> None:
         """Give up on in-process recovery once the job has recovered ``budget.count`` times

@@ -48,6 +48,7 @@ from .heartbeat import Phase, heartbeat_path
 from .heartbeat import read as read_beat
 from .inprocess import (
     EXIT_GAVE_UP,
+    EXIT_GROUP_ENDED,
     NAMESPACE_ENV,
     ROUND_ENV,
     ROUND_FILE_ENV,
@@ -226,6 +227,11 @@ class Supervisor:
         self._round_seen: int | None = None
         self.overdue = Overdue(events)  # a worker killed whose kill has not taken: lost
         self.serves_store = serves_store  # the store lives in this launcher: it leaves last
+        # Where workers leave a group another launcher ended (EXIT_GROUP_ENDED): a node's
+        # launcher waits for TorchElastic's restart (it costs no --max-restarts), a spare,
+        # outside the rendezvous, falls back to join it (set by the spare).
+        self.falls_back_when_ended = False
+        self._ended_at: float | None = None
         self._said_ended = False  # the run's end said in the exit barrier (see finished_together)
 
     # ---- the worker group's life ------------------------------------------------------
@@ -235,6 +241,8 @@ class Supervisor:
         self.members.clear()
         self.recovery = None
         self._said_ended = False
+        self._ended_at = None
+        self.falls_back_when_ended = False  # TorchElastic's workers: a node of the rendezvous
         self.args = tuple(wg.spec.args)
         self.standbys.script = list(self.args)
         self.holder = config.node_name()
@@ -424,6 +432,8 @@ class Supervisor:
         if self.recovery is not None and self._formed(self.recovery):
             self._record_recovered(self.recovery)
             self.recovery = None
+        if failed and all(s == EXIT_GROUP_ENDED for s in failed.values()):
+            return self._group_ended(original)
         if any(s == EXIT_GAVE_UP for s in failed.values()):
             return self._fall_back("a worker gave up on in-process recovery (its round did not "
                                    "form in time, the recovery budget was spent, or it raised "
@@ -439,6 +449,23 @@ class Supervisor:
             return self._fall_back(f"round {self.recovery.round} did not form within "
                                    f"{self.deadline:.0f}s", original)  # fmt: skip
         self.standbys.fill()
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _group_ended(self, original: Any) -> RunResult:
+        """Workers left a worker group another launcher ended (it stopped its workers: the
+        job restarts whole). A node's launcher waits for TorchElastic to see the restart's
+        rendezvous (a restart that costs none of ``--max-restarts``), up to the recovery
+        deadline; a spare falls back at once, to join the restart."""
+        why = "the job's worker group ended (another launcher stopped its workers)"
+        if self.falls_back_when_ended:
+            return self._fall_back(why, original)
+        now = time.monotonic()
+        if self._ended_at is None:
+            self._ended_at = now
+            log.info("%s: waiting for the job's restart", why)
+        if now - self._ended_at > self.deadline:
+            return self._fall_back(f"{why}, and no restart came within {self.deadline:.0f}s",
+                                   original)  # fmt: skip
         return RunResult(state=WorkerState.HEALTHY)
 
     def _round_moved(self) -> bool:

@@ -175,6 +175,7 @@ class Spare:
         script = self.args.training_script
         supervisor.standbys.script = ["-m", script] if self.args.module else [script]
         supervisor.standbys.fill()
+        supervisor.falls_back_when_ended = True  # outside the rendezvous: it joins restarts
         self.agent = self._warm_agent()
         # Published until it is: the listener lives as long as this process.
         self.reach = listen_for_probes(self.name, lambda: supervisor.store, self.args,

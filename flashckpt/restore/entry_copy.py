@@ -263,6 +263,13 @@ class Source:
             verify_entry(memoryview(self.bytes().numpy()), entry, chunk_size, self.where)
         return self._raw(entry)
 
+    def copy_block_to(self, dst: torch.Tensor, entry: Entry, chunk_size: int,
+                      box: tuple[slice, ...]) -> None:  # fmt: skip
+        """Copy the block ``box`` of the entry into ``dst``, verified, at once."""
+        view = self.view(entry, chunk_size)
+        _writing()
+        copy_into(dst, view[box])
+
     def copy_to(self, dst: torch.Tensor, entry: Entry, chunk_size: int) -> None:
         """Copy the entry into ``dst``, verified, by the next ``flush()`` (at once for a
         target that is not plain bytes)."""

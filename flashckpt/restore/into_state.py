@@ -196,6 +196,16 @@ class Planner:
             dst = target.to_local() if is_dtensor(target) else target
         if shard is not None and e.shard is not None and shard != e.shard:
             return self._resharded(e, target, dst, shard, path)
+        if (shard is None and e.shard is not None and tuple(e.shape) != tuple(local.shape)
+                and tuple(e.shard.global_shape) == tuple(local.shape)):  # fmt: skip
+            # A plain tensor of the whole of a DTensor saved sharded (FSDP2 saved, a module
+            # that is not sharded restored): assembled from every rank's shard.
+            whole = replace(e.shard, global_offset=(0,) * len(local.shape))
+            return self._resharded(e, target, dst, whole, path)
+        if (shard is not None and e.shard is None and tuple(e.shape) != tuple(local.shape)
+                and tuple(e.shape) == tuple(shard.global_shape) and e.kind == "tensor"
+                and e.dtype == dtype_name(dst.dtype)):  # fmt: skip
+            return self._block_of_whole(e, target, dst, shard)
         before = len(self.mismatches)
         if e.kind != "tensor":
             self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
@@ -215,6 +225,19 @@ class Planner:
 
         def produce(src: Source) -> Any:
             src.copy_to(dst, e, cs)
+            return target
+
+        return produce
+
+    def _block_of_whole(self, e: Entry, target: torch.Tensor, dst: torch.Tensor,
+                        shard: ShardInfo) -> Producer:  # fmt: skip
+        """A DTensor's block of a tensor saved whole (a module that is not sharded saved,
+        FSDP2 restored): the block copied out of the whole, verified."""
+        cs = self.m.chunk_size
+        box = tuple(slice(o, o + n) for o, n in zip(shard.global_offset, dst.shape, strict=True))
+
+        def produce(src: Source) -> Any:
+            src.copy_block_to(dst, e, cs, box)
             return target
 
         return produce

@@ -1,0 +1,103 @@
+"""DCP's own calls (``dcp.save``, ``dcp.async_save``, ``dcp.load``) with flashckpt's storage
+(``flashckpt.dcp``), in real gloo process groups under torchrun: FSDP2 saved and loaded at the
+same size, at another, into a module that is not sharded and back; the step named by the
+``checkpoint_id``; a damaged description refused; a step that is not there named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import ROOT, torchrun
+from torch.distributed.checkpoint.api import CheckpointException
+
+import flashckpt
+import flashckpt.dcp as fdcp
+from flashckpt.errors import ConfigError, ManifestError
+
+TRAINER = ROOT / "tests" / "dcp_trainer.py"
+
+
+def run(ranks: int, phase: str, out, env: dict) -> dict:
+    if ranks:
+        torchrun(ranks, TRAINER, phase, out, env=env, timeout=240)
+    else:  # one process, no process group
+        import subprocess
+        import sys
+
+        done = subprocess.run([sys.executable, str(TRAINER), phase, str(out)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["save", "async"])
+def test_fsdp2_through_dcp_loads_at_every_size_and_into_a_module_not_sharded(
+    shm_dir, run_dir, tmp_path, how
+):
+    """Two FSDP2 ranks save steps 1-3 with ``dcp.save`` (or ``dcp.async_save``); fresh
+    processes load the newest with ``dcp.load``, at two ranks, at one, and in one process into
+    a plain module (after ``async_save``: at one): the full parameters and AdamW moments equal
+    those saved, bit for bit."""
+    env = {**os.environ, "FLASHCKPT_JOB": f"dcp-{how}", "DCP_TIER": str(tmp_path / "tier")}
+    saved = run(2, how, tmp_path / "saved.json", env)
+    for ranks in (2, 1, 0) if how == "save" else (1,):
+        got = run(ranks, "load" if ranks else "load-plain", tmp_path / f"at{ranks}.json", env)
+        assert "error" not in got, got
+        assert (got["loaded"], got["step"]) == (3, 3), got
+        assert got["at3"] == saved["at3"], f"{ranks or 'plain'}: other values"
+
+
+@pytest.mark.slow
+def test_a_module_not_sharded_through_dcp_loads_into_fsdp2(shm_dir, run_dir, tmp_path):
+    """The reverse: two ranks that each hold the whole module (as under DDP) save it through
+    DCP; two FSDP2 ranks load it, each taking its shard of every tensor."""
+    env = {**os.environ, "FLASHCKPT_JOB": "dcp-ddp", "DCP_TIER": str(tmp_path / "tier")}
+    saved = run(2, "save-replicated", tmp_path / "saved.json", env)
+    got = run(2, "load", tmp_path / "at2.json", env)
+    assert "error" not in got, got
+    assert got["loaded"] == 3 and got["at3"] == saved["at3"]
+
+
+def test_the_step_is_the_checkpoint_id_and_a_missing_one_is_named(shm_dir, run_dir, tmp_path):
+    """One process: the step comes from the ``checkpoint_id`` (an int or a name ending in
+    one), a load without one takes the newest, a step not saved is named, and a
+    ``checkpoint_id`` that names no step is refused before anything is saved."""
+    assert [fdcp.step_of(c) for c in (7, "step-12", "ckpt/step_0012/", "latest", -1, None)] == [
+        7, 12, 12, None, None, None]  # fmt: skip
+    tier = f"file://{tmp_path / 'tier'}"
+    with flashckpt.Checkpointer(tier, job="ids") as ck:
+        for step in (4, 9):
+            dcp.save({"w": torch.full((3,), float(step))}, checkpoint_id=f"run/step-{step}",
+                     storage_writer=fdcp.Writer(ck))  # fmt: skip
+        with pytest.raises(ConfigError, match="names no step"):
+            dcp.save({"w": torch.ones(3)}, checkpoint_id="latest", storage_writer=fdcp.Writer(ck))
+        ck.wait(9, timeout=60)
+    with flashckpt.Checkpointer(tier, job="ids") as ck:
+        state = {"w": torch.zeros(3)}
+        dcp.load(state, storage_reader=fdcp.Reader(ck))
+        assert state["w"].tolist() == [9.0] * 3
+        dcp.load(state, checkpoint_id=4, storage_reader=fdcp.Reader(ck))
+        assert state["w"].tolist() == [4.0] * 3
+        # DCP hands on what its storage raised inside its own exception, traceback and all.
+        with pytest.raises(CheckpointException, match="step 5 of job 'ids'"):
+            dcp.load(state, checkpoint_id=5, storage_reader=fdcp.Reader(ck))
+        with pytest.raises(CheckpointException, match=r"Size mismatch|does not fit"):
+            dcp.load({"w": torch.zeros(4)}, storage_reader=fdcp.Reader(ck))  # saved (3,)
+
+
+def test_a_damaged_description_is_refused_with_the_step_named():
+    """What a step says it holds is read back from memory or a tier: it is checked before
+    DCP plans with it."""
+    good = json.dumps({"w": {"t": "tensor", "size": [3], "dtype": "float32"}, "n": {"t": "bytes"}})
+    meta = fdcp._metadata(good, 5)
+    assert list(meta["w"].size) == [3] and meta["w"].properties.dtype == torch.float32
+    for bad in ("{", "[1]", json.dumps({"w": {"t": "tensor", "size": [-1], "dtype": "float32"}}),
+                json.dumps({"w": {"t": "tensor", "size": [3], "dtype": "object"}}),
+                json.dumps({"w": {"t": "pickle"}})):  # fmt: skip
+        with pytest.raises(ManifestError, match="step 5: the DCP description it holds is damaged"):
+            fdcp._metadata(bad, 5)
