@@ -23,22 +23,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsdp2_trainer import build
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
 
 import flashckpt.dcp
 from flashckpt import Checkpointer
-
-
-def build(seed: int, shard: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    if shard:
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:

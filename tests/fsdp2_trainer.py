@@ -25,13 +25,15 @@ from torch.distributed.fsdp import fully_shard
 from flashckpt import Checkpointer
 
 
-def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(seed: int, shard: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (sharded per layer unless ``shard`` is False) and its AdamW."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    if shard:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
