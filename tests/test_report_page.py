@@ -227,3 +227,18 @@ def test_the_jobs_start_up_is_a_cause_on_the_page():
     assert report.startup_s == pytest.approx(8.0)
     page = report_page.render(timeline.build(evs, report), report)
     assert re.search(r'title="start-up: 8(\.0+)?\s*s', page), page[page.find("lost-bar") :][:600]
+
+
+def test_a_tier_lane_is_labelled_by_its_scheme_and_where_it_keeps_the_job():
+    """The lane labels say which tier at a glance, without the query or the middle of a long
+    path; the whole URL stays the label's tooltip."""
+    label = report_svg.tier_label
+    assert label("file:///mnt/nvme/ckpt") == "file …/ckpt"
+    assert label("pfs:///lustre/team/run7?every_steps=1000") == "pfs …/run7"
+    assert label("s3://bucket/run1?endpoint_url=x") == "s3 bucket/run1"
+    assert label("s3://bkt/team/run1") == "s3 bkt/…/run1"
+    assert label("peer://auto?hop=1") == "peer auto"
+    assert label("file:///ckpt") == "file /ckpt"
+    long = label("s3://a-very-long-bucket-name/p/a-long-run-directory-name")
+    assert long.startswith("s3 …") and long.endswith("directory-name") and len(long) <= 18
+    assert label("memory") == "memory" and len(label("x" * 40)) == 18

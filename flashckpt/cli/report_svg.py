@@ -185,8 +185,33 @@ def _recovery_bar(r: Recovery, sc: _Scale, y: float, h: float) -> str:
             f"<title>{esc(title)}</title>{''.join(parts)}{edge}{source}</g>")  # fmt: skip
 
 
+LABEL_CHARS = 18  # what fits in a lane's label at its font
+
+
+def tier_label(url: str, width: int = LABEL_CHARS) -> str:
+    """A tier's name for its lane: its scheme and where it keeps the job, its query dropped
+    (``pfs …/run7``, ``s3 bucket/…/run1``, ``peer auto``), the end kept where it is too long;
+    the whole URL is the label's tooltip."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url if len(url) <= width else url[: width - 1] + "…"
+    host, _, path = rest.split("?", 1)[0].rstrip("/").partition("/")
+    last = path.rsplit("/", 1)[-1]
+    if not path:
+        where = host
+    elif not host:
+        where = ("…/" if "/" in path else "/") + last
+    else:
+        where = f"{host}/…/{last}" if "/" in path else f"{host}/{last}"
+    label = f"{scheme} {where}"
+    if len(label) > width:
+        keep = max(width - len(scheme) - 2, 1)
+        label = f"{scheme} …{(last or host)[-keep:]}"
+    return label
+
+
 def _tier_lane(lane, sc: _Scale, top: float, height: float) -> list[str]:
-    name = lane.tier if len(lane.tier) <= 15 else "…" + lane.tier[-14:]
+    name = tier_label(lane.tier)
     newest = lane.commits[-1].step if lane.commits else None
     out = [f'<text x="10" y="{top + 16}" class="lane">{esc(name)}<title>{esc(lane.tier)}</title></text>',
            f'<text x="10" y="{top + 32}" class="note">{len(lane.commits)} commits, to step '
