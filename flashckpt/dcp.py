@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import re
 from typing import Any
 
@@ -239,11 +240,7 @@ def _describe(items: list) -> dict[str, dict]:
 def _size(item: Any) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    sizes = item.tensor_data.chunk.sizes
-    count = 1
-    for n in sizes:
-        count *= n
-    return count * item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
 def _metadata(text: str, step: int) -> dict[str, Any]:

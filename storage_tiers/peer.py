@@ -255,7 +255,8 @@ class PeerTier(Tier):
         endpoint = Endpoint.load(config.run_dir(), job)
         token = endpoint.token if endpoint is not None else ""
         peer = await self._holder(job, reading)
-        socks: list[socket.socket] = []
+        socks: list[socket.socket] = []  # the write's connection, for its watch to shut
+        moved: list[str] = []  # why the watch shut it
 
         def run() -> Any:
             with self._connect(peer, job, token) as sock:
@@ -264,7 +265,6 @@ class PeerTier(Tier):
                     raise TierUnavailableError(moved[0])
                 return fn(sock, peer, *args)
 
-        moved: list[str] = []
         try:
             work = in_thread(run, stop=stop)  # a cancelled caller waits for it
             return await (work if reading else self._watched(work, job, peer, socks, moved))

@@ -148,7 +148,7 @@ def test_a_launcher_puts_back_the_round_its_ranks_claimed_when_its_relay_lags(se
     env = {"FLASHCKPT_RECOVERY_NAMESPACE": "ns"}
     node = SimpleNamespace(members={0: Member(2, 101, env), 1: Member(3, 102, env)},
                            relay=SimpleNamespace(round=0), recovery=None, holder="node1",
-                           job="job", _published=None, events=SimpleNamespace(path=log))  # fmt: skip
+                           job="job", ns="ns", _published=None, events=SimpleNamespace(path=log))  # fmt: skip
     node._claimed = lambda: Supervisor._claimed(node)
     assert node._claimed() == {2: 1, 3: 1}
     c = StoreClient("127.0.0.1", server.port, timeout=10)

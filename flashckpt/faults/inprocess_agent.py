@@ -234,6 +234,11 @@ class Supervisor:
         self._ended_at: float | None = None
         self._said_ended = False  # the run's end said in the exit barrier (see finished_together)
 
+    @property
+    def ns(self) -> str:
+        """The store keys' namespace of this launcher's worker group (it has members)."""
+        return namespace(next(iter(self.members.values())).env)
+
     # ---- the worker group's life ------------------------------------------------------
     def started(self, wg: WorkerGroup, pids: dict[int, int], envs: dict[int, dict]) -> None:
         """The worker group TorchElastic just started (``pids``: local rank -> pid; ``envs``:
@@ -251,7 +256,7 @@ class Supervisor:
             self.members[w.local_rank] = Member(w.global_rank, pids[w.local_rank], env)
             self.world = w.world_size
             self.job = env.get("FLASHCKPT_JOB") or self.job
-        ns = namespace(next(iter(self.members.values())).env)
+        ns = self.ns
         self._relay(ns)
         self.standbys.fill()
         self._published = (ns, list(self.args), self.world,
@@ -269,7 +274,7 @@ class Supervisor:
         self.holder = holder
         self.members = dict(members)
         self.args, self.world, self.recovery = tuple(args), world, recovery
-        self._relay(namespace(next(iter(self.members.values())).env))
+        self._relay(self.ns)
         self.standbys.fill()
 
     def _put_back(self, store: Any) -> None:
@@ -280,7 +285,7 @@ class Supervisor:
         for a spare running a lost node's, its mark on that node."""
         if not self.members:
             return
-        ns = namespace(next(iter(self.members.values())).env)
+        ns = self.ns
         relayed = self.relay.round if self.relay is not None else None
         claimed, rec = self._claimed(), self.recovery
         ranks = {m.rank: max(relayed or 0, claimed.get(m.rank, 0),
@@ -323,7 +328,7 @@ class Supervisor:
         launcher is gone: TorchElastic's exit barrier would wait for it in vain)."""
         if not self.members:
             return False
-        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}/replaced"
+        key = f"flashckpt/{self.ns}/replaced"
         try:
             return bool(self.store.check([key]))
         except Exception:
@@ -341,7 +346,7 @@ class Supervisor:
         for a store that was gone."""
         if not self.members:
             return
-        prefix = f"flashckpt/{namespace(next(iter(self.members.values())).env)}"
+        prefix = f"flashckpt/{self.ns}"
         nodes = max(1, self.world // len(self.members))
         try:
             done = self._count_until(f"{prefix}/finished", nodes, time.monotonic() + timeout)
@@ -367,9 +372,8 @@ class Supervisor:
 
     def _end_run(self, store: Any) -> None:
         if self.members:
-            ns = namespace(next(iter(self.members.values())).env)
-            run_ended(store, self.job, ns)
-            end_rounds(store, ns)
+            run_ended(store, self.job, self.ns)
+            end_rounds(store, self.ns)
 
     def stop(self) -> None:
         """Kill the replacements (TorchElastic stops the workers it started), and end the
@@ -560,7 +564,7 @@ class Supervisor:
         """Whether ``rec`` is over: its round formed, or the later one the job moved on to
         (its replacement found the round moved on, and the job followed it there); then
         ``rec.round`` is the round that formed."""
-        key = f"flashckpt/{namespace(next(iter(self.members.values())).env)}"
+        key = f"flashckpt/{self.ns}"
         now = int(self.store.get(f"{key}/round").decode()) if self.store.check(
             [f"{key}/round"]) else rec.round  # fmt: skip
         for round in sorted({rec.round, max(now, rec.round)}):

@@ -127,8 +127,7 @@ class Planner:
         """The whole tensor of DTensor entry ``e``, from every rank's shard."""
         assert e.shard is not None and self.resharder is not None
         resharder, shape = self.resharder, tuple(e.shard.global_shape)
-        whole = replace(e.shard, global_offset=(0,) * len(shape))
-        problem = resharder.want(e.path, e, whole, shape)
+        problem = resharder.want(e.path, e, _whole(e.shard), shape)
         if problem:
             self.mismatches.append(Mismatch(e.path, "shard", problem))
         return lambda src: resharder.block(e.path)
@@ -196,16 +195,14 @@ class Planner:
             dst = target.to_local() if is_dtensor(target) else target
         if shard is not None and e.shard is not None and shard != e.shard:
             return self._resharded(e, target, dst, shard, path)
-        if (shard is None and e.shard is not None and tuple(e.shape) != tuple(local.shape)
-                and tuple(e.shard.global_shape) == tuple(local.shape)):  # fmt: skip
-            # A plain tensor of the whole of a DTensor saved sharded (FSDP2 saved, a module
-            # that is not sharded restored): assembled from every rank's shard.
-            whole = replace(e.shard, global_offset=(0,) * len(local.shape))
-            return self._resharded(e, target, dst, whole, path)
-        if (shard is not None and e.shard is None and tuple(e.shape) != tuple(local.shape)
-                and tuple(e.shape) == tuple(shard.global_shape) and e.kind == "tensor"
-                and e.dtype == dtype_name(dst.dtype)):  # fmt: skip
-            return self._block_of_whole(e, target, dst, shard)
+        if (shard is None) != (e.shard is None) and tuple(e.shape) != tuple(local.shape):
+            # Sharded on one side only (FSDP2 saved and a module that is not sharded restored,
+            # or the reverse), where the whole tensor is what the other side holds.
+            if shard is None and tuple(e.shard.global_shape) == tuple(local.shape):
+                return self._resharded(e, target, dst, _whole(e.shard), path)
+            if (shard is not None and tuple(e.shape) == tuple(shard.global_shape)
+                    and e.kind == "tensor" and e.dtype == dtype_name(dst.dtype)):  # fmt: skip
+                return self._block_of_whole(e, target, dst, shard)
         before = len(self.mismatches)
         if e.kind != "tensor":
             self.mismatches.append(Mismatch(path, "type", f"{e.kind} in snapshot, tensor in state"))
@@ -374,6 +371,11 @@ class Planner:
             return values
 
         return produce
+
+
+def _whole(shard: ShardInfo) -> ShardInfo:
+    """The block of all of ``shard``'s tensor, laid out as ``shard`` is."""
+    return replace(shard, global_offset=(0,) * len(shard.global_shape))
 
 
 def finish_stateful(target: Any, sd: Any, needs_load: bool, src: Source,
