@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from flashckpt.proto import agent_pb2_grpc as pb_grpc
 
-from flashckpt import config
+from flashckpt import config, preempt_mark
 from flashckpt.errors import ConfigError
 from flashckpt.faults.agent_client import agent_pid_path, socket_path
 from flashckpt.faults.events import EventLog
@@ -105,6 +105,8 @@ async def serve(
             await asyncio.wait_for(stop.wait(), timeout=0.5)
         for jb in service.jobs.values():
             jb.reclaim()
+            if preempt_mark.read(run_dir, jb.name) is not None:
+                jb.preempt("its launcher was asked to stop")
         if exit_when_idle is not None:
             launcher = bool(while_pid) and pid_alive(while_pid)
             orphan = bool(while_pid) and not launcher  # the launcher that started it is gone
@@ -141,6 +143,7 @@ async def serve(
     log.info("shutting down: draining persistence (up to %.0fs)", drain_timeout)
     await server.stop(grace=2)
     for jb in service.jobs.values():
+        jb.preempt("the agent was asked to stop")  # the newest step out first, past throttles
         await jb.drain(drain_timeout)
     unlinked.set()  # the controller heard this node while it drained: its lease held
     await link

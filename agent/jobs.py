@@ -60,6 +60,18 @@ class Job:
         log.info("job %s: persisting to %s (%s)", self.name, redact(url), worker.state.scope)
         return worker
 
+    def preempt(self, why: str) -> None:
+        """From now on, the newest step every rank here holds goes to every tier past its
+        throttles (``every_steps``, ``every_seconds``, the duty cycle)."""
+        if self.trainers.preempting:
+            return
+        self.trainers.preempting = True
+        log.warning("job %s: %s: persisting the newest step every rank here holds to every "
+                    "tier, past their throttles", self.name, why)  # fmt: skip
+        if self.events is not None:
+            self.events.record("preempt_flush", why=why)
+        self.wake()
+
     def wake(self) -> None:
         for w in self.workers.values():
             w.wake.set()

@@ -316,10 +316,17 @@ class TierWorker:
         # them could never be completed later. Slots of other ranks are leftovers, not waited on.
         common = set.intersection(*(set(steps) for steps in ours.values()))
         step = max(common, default=None)
-        if step is not None and self.every_steps and not step <= self.trainers.final_step:
+        if step is not None and self.every_steps and not self.trainers.flushes(step):
             # Only steps on the grid of every_steps: every node picks the same ones, so a shared
             # tier holds them whole (each node counting from its own first step would not).
             step = max((s for s in common if s[1] % self.every_steps == 0), default=None)
+        if step is not None and self.trainers.preempting and self.trainers.world_size > len(ours):
+            # Ranks train in lockstep, so another node's may have stopped one step behind
+            # these: the step before the newest goes out first, and the newest step the whole
+            # job holds is then whole in a shared tier.
+            before = max((s for s in common if s < step), default=None)
+            if before is not None and before > self.state.last_committed:
+                step = before
         if newest < self.state.last_committed:  # not merely no newer step yet
             self._warn_older(newest)
         if step is None or step <= self.state.last_committed or self._throttled(step):
@@ -464,7 +471,7 @@ class TierWorker:
             )  # fmt: skip
 
     def _throttled(self, step: Key) -> bool:
-        if step <= self.trainers.final_step:  # a closing trainer's last step always goes out
+        if self.trainers.flushes(step):  # a closing trainer's last step, a preempted job's newest
             return False
         last = self.state.last_committed
         same_branch = last[0] == step[0] and last[1] >= 0

@@ -27,6 +27,9 @@ class Trainers:
     # the newest (generation, step) a closing trainer asked to flush past throttles
     final_step: tuple[int, int] = (0, -1)
     closing_since: float | None = None  # when the first trainer asked to flush (monotonic)
+    # the job is being preempted (its launcher's mark, or this agent got SIGTERM): the newest
+    # step every rank here holds goes out past every throttle, as a closing trainer's does
+    preempting: bool = False
 
     def register(self, rank: int, pid: int, world_size: int, local_world_size: int) -> None:
         if self.pids and (world_size, local_world_size) != (self.world_size, self.local_world_size):
@@ -50,6 +53,11 @@ class Trainers:
             self.closing_since = time.monotonic()
         self.closing.add(rank)
         self.final_step = max(self.final_step, step)
+
+    def flushes(self, step: tuple[int, int]) -> bool:
+        """Whether ``step`` goes out past every throttle and grid: a closing trainer's last
+        step (or an older one), or any step while the job is being preempted."""
+        return self.preempting or step <= self.final_step
 
     def alive(self) -> bool:
         return any(pid_alive(pid) for pid in self.pids.values())

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import config, group
+from . import config, group, preempt_mark
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, SharedMemoryError
 from .faults import heartbeat
 from .faults.agent_client import AgentClient, socket_path
@@ -287,6 +287,18 @@ class Checkpointer:
                 "without a step for the newest one"
             )
         return restored if strict else (restored, unmatched)
+
+    def preempted(self) -> bool:
+        """Whether the scheduler asked the job to go (``flashckpt-run`` got SIGTERM, or the
+        signal or file of ``FLASHCKPT_PREEMPT_SIGNAL`` / ``FLASHCKPT_PREEMPT_FILE``): stop
+        at this step boundary, after ``save()``, and ``close()``, which waits until the
+        tiers hold the last step. Under a process group every rank gets the same answer (one
+        small collective: call it at the same point on every rank), so all stop at the same
+        step. Outside ``flashckpt-run`` it is always False."""
+        asked = preempt_mark.read(self.run_dir, self.job) is not None
+        if group.world_size() > 1:
+            asked = any(group.gather(asked))
+        return asked
 
     def wait(
         self, step: int | None = None, tier: str | None = None, timeout: float | None = None

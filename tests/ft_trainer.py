@@ -12,7 +12,12 @@ time only (a marker in ``FT_MARKS``), that rank
 Gradients are averaged with one all-reduce per parameter, not DDP: DDP rebuilds its buckets
 after the first step, so a resumed run's first step sums four ranks' gradients in another
 order than an undisturbed run, and the weights would differ in the last bits. Each rank prints ``restored <rank> <step|None>``; rank 0 writes the final weights' sha256 to
-``FT_DIGEST``.
+``FT_DIGEST`` once the last step is trained.
+
+``FT_PREEMPT`` (``ask`` or ``ignore``): each step takes ``FT_STEP_S`` seconds more and each
+rank touches ``FT_MARKS/saved-<rank>-<step>`` after saving it; with ``ask`` the loop stops
+at the first step after which ``Checkpointer.preempted()`` says so, printing ``stopped <rank>
+<step>``.
 """
 
 from __future__ import annotations
@@ -111,9 +116,18 @@ def main() -> None:
     restored = ckpt.restore(state)
     sys.stdout.write(f"restored {rank} {restored}\n")  # one write: lines of ranks never mix
     sys.stdout.flush()
+    preempt = os.environ.get("FT_PREEMPT")
+    finished = True
     for step in range(0 if restored is None else restored + 1, STEPS):
         train_step(model, opt, rank, step)
         ckpt.save(step, state)
+        if preempt:
+            (Path(os.environ["FT_MARKS"]) / f"saved-{rank}-{step}").touch()
+            time.sleep(float(os.environ.get("FT_STEP_S", "0")))
+            if preempt == "ask" and ckpt.preempted():
+                sys.stdout.write(f"stopped {rank} {step}\n")
+                finished = False
+                break
         kind = fault_now(rank, step)
         if kind in ("pause", "corrupt"):
             for tier in wait_tiers(ckpt.tiers):
@@ -128,7 +142,7 @@ def main() -> None:
             (Path(os.environ["FT_MARKS"]) / "paused").touch()
             time.sleep(3600)
     ckpt.close()
-    if rank == 0:
+    if rank == 0 and finished:
         digest = hashlib.sha256()
         for v in model.state_dict().values():
             digest.update(v.detach().numpy().tobytes())

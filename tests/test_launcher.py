@@ -86,12 +86,12 @@ class Cluster:
     def __init__(self, tmp: Path, name: str, node_env: tuple[dict, ...] = ({}, {}),
                  trainer: Path = TRAINER, nodes: int = NODES, per_node: int = PER_NODE,
                  spares: int = 0, hosts: Hosts | None = None, control: ControlPlane | None = None,
-                 max_restarts: int = 3, **env: str):  # fmt: skip
+                 max_restarts: int = 3, job: str | None = None, **env: str):  # fmt: skip
         self.tmp, self.name, self.trainer, self.n = tmp, name, trainer, nodes
         self.max_restarts = max_restarts
         self.per_node, self.spares, self.hosts = per_node, spares, hosts
         assert hosts is None or len(hosts) >= nodes, "one host a node"
-        self.port, self.job = free_port(), f"{name}-{uuid.uuid4().hex[:8]}"
+        self.port, self.job = free_port(), job or f"{name}-{uuid.uuid4().hex[:8]}"
         # A free port, not the default rendezvous port + 1, which another test may hold.
         self.controller = f"{self.addr(0, '127.0.0.1')}:{free_port_pair()}"
         self.control = control  # the rendezvous and the controller off the nodes, if given

@@ -43,6 +43,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 
 from .. import config
 from ..safe_paths import write_atomic
+from . import preempt
 from .events import EventLog, read_events
 from .heartbeat import Phase, heartbeat_path
 from .heartbeat import read as read_beat
@@ -628,6 +629,8 @@ class RecoveringAgent(BoundedAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         original = super()._monitor_workers
+        if preempt.requested():  # the job is leaving: no worker is replaced
+            return original(worker_group)
         return self.supervisor.monitor(lambda: original(worker_group), self._pcontext)
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:

@@ -42,7 +42,7 @@ from .. import config
 from ..errors import FlashCkptError
 from ..pidfile import PidFileBusy, lock_pidfile
 from ..safe_paths import private_dir
-from . import control
+from . import control, preempt
 from .addresses import serve_here
 from .agent_keeper import AgentKeeper
 from .events import ENV as EVENTS_ENV
@@ -51,6 +51,7 @@ from .hang import HangPolicy
 from .heartbeat import remove_dead
 from .launcher_help import print_help, wants_help
 from .node_watch import NodeWatch
+from .preempt import Preemption
 from .reach import leave, listen_for_probes
 from .spare import split_flag
 
@@ -236,6 +237,7 @@ class Launch:
     events: EventLog
     controller: InThread | None
     recovery_store: Any = None  # what ``in_process`` returned: closed on exit
+    preemption: Preemption | None = None  # a node that runs workers: its notice's handling
 
 
 def settle(args, argv: list[str], spare: bool, launch_env: dict[str, str]) -> Launch:
@@ -245,6 +247,7 @@ def settle(args, argv: list[str], spare: bool, launch_env: dict[str, str]) -> La
     policy = HangPolicy.from_env()
     restart_policy = control.policy()
     config.check_agent_settings()  # the agent it keeps reads them
+    preempt.check_settings()
     shm_dir = config.shm_dir()
     run_dir = private_dir(config.run_dir(), "run_dir")
     claim = claim_job(run_dir, job)
@@ -323,20 +326,30 @@ def run_workers(launch: Launch) -> None:
     keeper = AgentKeeper(job, launch.run_dir, launch.shm_dir)
     threading.Thread(target=keeper.run, args=(watch.halted,), daemon=True,
                      name="flashckpt-agent-keeper").start()  # fmt: skip
-    started, ended = time.monotonic(), False
+    started, ended, code = time.monotonic(), False, None
     try:
         torchrun.run(launch.args)
         ended = True
     except BaseException as exc:
-        events.record("launcher_exited", ok=False, error=type(exc).__name__,
-                      seconds=time.monotonic() - started)  # fmt: skip
-        raise
+        if not preempt.requested():  # workers a preemption stopped fail: that is its end
+            events.record("launcher_exited", ok=False, error=type(exc).__name__,
+                          seconds=time.monotonic() - started)  # fmt: skip
+            raise
     finally:
         halt.set()
         watch.stop()
         if reach is not None:
             reach.close()
-        clean_up(launch, ended)
+        # Before the controller stops: the other nodes' agents write under its lease.
+        if launch.preemption is not None:
+            code = launch.preemption.finish()
+        clean_up(launch, ended or code is not None)
+    if code is not None:
+        events.record("launcher_exited", ok=False, preempted=True,
+                      seconds=time.monotonic() - started)  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     events.record("launcher_exited", ok=True, seconds=time.monotonic() - started)
 
 
@@ -401,6 +414,9 @@ def main(argv: list[str] | None = None) -> None:
                          hang_policy=launch.policy.__dict__, spare=launch.spare)  # fmt: skip
     if launch.spare:
         run_spare(launch)
+    launch.preemption = Preemption(launch.job, launch.run_dir, launch.shm_dir, launch.events,
+                                   launch.controller)  # fmt: skip
+    launch.preemption.install(args)
     try:
         run_workers(launch)
     except Exception:  # the workers failed, or the rendezvous cannot be reached

@@ -34,6 +34,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from ..pidfile import doomed
+from . import preempt
 from .events import EventLog
 from .proc import parent_and_state
 
@@ -171,6 +172,7 @@ class BoundedAgent(LocalElasticAgent):
 
         be_patient(spec.rdzv_handler)  # etcd restarting ends no healthy node's workers
         super().__init__(spec, *args, **kwargs)
+        preempt.watch(self)  # a preemption stops its workers
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
@@ -179,6 +181,8 @@ class BoundedAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if preempt.requested() and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._remaining_restarts = 0  # the job is leaving: no restart
         if result.state != WorkerState.HEALTHY or self._pcontext is None:
             return result
         if self._overdue is None:
