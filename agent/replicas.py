@@ -72,6 +72,7 @@ from flashckpt.faults.control import Endpoint, split_address
 from flashckpt.faults.events import EventLog
 from flashckpt.format import tier_io
 from flashckpt.safe_paths import private_dir
+from flashckpt.snapshot import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -434,6 +435,9 @@ class ReplicaStore:
     def _short_of(self, size: int) -> str:
         """Why ``size`` more bytes would leave shared memory too full ("" if they fit), the
         puts in flight counted at their full size."""
+        capped = host_memory.fits(self.shm_dir, size + self.reserved)
+        if capped:
+            return capped
         free, total = shm_space(self.shm_dir)
         keep = int(total * RESERVE)
         if size + self.reserved + keep <= free:

@@ -28,6 +28,7 @@ from .snapshot import device
 from .snapshot.copy_plan import CopyPlans
 from .snapshot.device_copy import DeviceCopier, PendingCopy
 from .snapshot.flatten import Layout, paused_gc
+from .snapshot.host_memory import EveryFew
 from .snapshot.replicas import ReplicaFinder
 from .snapshot.sealer import Sealer
 from .snapshot.slot_prep import SlotPreparer
@@ -96,6 +97,7 @@ class Checkpointer:
             raise ConfigError(f"chunk_size must be a positive multiple of 64, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self.skipped = 0  # snapshots dropped: a reader held the only slot they could go to
+        self._capped_skips = EveryFew(log, 30.0)  # their warning, at the host-memory cap
 
         self._replicas = ReplicaFinder(replicated)
         self._pair = SlotPair(self.shm_dir, self.job, self.rank)
@@ -198,6 +200,10 @@ class Checkpointer:
             except SharedMemoryError as exc:  # no room for a spare: skip while it lags
                 self._pair.in_use = in_use
                 log.warning("no spare slot for rank %d: %s", self.rank, exc)
+        if slot is None and self._pair.capped:
+            slot = self._newest_if_stored(step, need)
+            if slot is None:
+                return
         if slot is None:
             self.skipped += 1
             log.warning(
@@ -225,6 +231,37 @@ class Checkpointer:
         except BaseException:
             self._abandon(slot)
             raise
+
+    def _newest_if_stored(self, step: int, need: int) -> Slot | None:
+        """The one slot the host-memory cap leaves this rank, to write ``step`` over the
+        snapshot it holds, once every tier holds that one; else None, the save skipped."""
+        ready = self._pair.ready()
+        held = header_or_none(ready[0]) if ready else None
+        stored = held is None or self._stored_everywhere((held.generation, held.step))
+        slot = self._pair.acquire_newest(need) if stored else None
+        if slot is None:
+            self.skipped += 1
+            why = ("the agent is reading it" if stored else
+                   f"not every tier holds step {held.step} yet" if self._agent else
+                   "the job names no tier to store it in")  # fmt: skip
+            self._capped_skips.warn(
+                "step %d not snapshotted: the node's host-memory cap (FLASHCKPT_HOST_MEMORY) "
+                "leaves rank %d one slot, and %s; raise the cap for two slots a rank",
+                step, self.rank, why,
+            )  # fmt: skip
+        return slot
+
+    def _stored_everywhere(self, key: tuple[int, int]) -> bool:
+        if not self.tiers or self._agent is None:
+            return False
+        try:
+            tiers = self._agent.tier_status(timeout=2)
+        except Exception as exc:  # the agent away: nothing is known stored
+            log.debug("tier status: %s", exc)
+            return False
+        return bool(tiers) and all(
+            (t.last_committed_generation, t.last_committed_step) >= key for t in tiers
+        )
 
     def restore(
         self, state: Mapping[str, Any], step: int | None = None, *,

@@ -110,6 +110,26 @@ def _parse_float(source: str, value: object, lo: float, hi: float) -> float:
     return number
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int, what: str = "a size") -> int:
+    """Bytes of ``5GB``, ``500MB``, ``2GiB``, ``1048576``: decimal units for KB/MB/GB/TB and
+    binary for KiB/MiB/GiB/TiB, as transformers reads ``max_shard_size``."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = _SIZE.fullmatch(text)
+        if not m:
+            raise ConfigError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1048576)")
+        unit = m.group(2).upper().removesuffix("B")
+        base = 1024 if unit.endswith("I") else 1000
+        size = int(float(m.group(1)) * base ** " KMGT".index(unit[:1] or " "))
+    if size < 1:
+        raise ConfigError(f"{what} must be at least one byte, not {text!r}")
+    return size
+
+
 def _parse_bool(source: str, value: object) -> bool:
     if isinstance(value, bool):
         return value

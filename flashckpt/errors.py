@@ -37,6 +37,10 @@ class SharedMemoryError(FlashCkptError, OSError):
     """Shared memory for snapshot slots cannot be had (too small, not writable)."""
 
 
+class HostMemoryCapError(SharedMemoryError):
+    """What flashckpt holds on this node would pass its cap (``FLASHCKPT_HOST_MEMORY``)."""
+
+
 class TierUnavailableError(FlashCkptError, OSError):
     """A storage tier cannot be reached or written (network, permission, disk full).
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TypeVar
 from urllib.parse import parse_qsl
 
@@ -359,6 +360,8 @@ def check_writable(url: str) -> None:
     """ConfigError when ``url`` names a tier that cannot be written (``http://`` and the other
     read-only fsspec filesystems), for where a tier is saved or restored to."""
     spec = parse_spec(url)
+    if spec.scheme in ("file", "pfs"):
+        _check_directory(spec)
     protocol = spec.scheme.removeprefix("fsspec+")
     if _entry(spec.scheme) is FSSPEC and protocol in READ_ONLY_PROTOCOLS:
         raise ConfigError(
@@ -366,6 +369,20 @@ def check_writable(url: str) -> None:
             "(it cannot store or remove objects); read from it (flashckpt ls, verify, restore, "
             "export, flashckpt.load) and save to a writable tier (file:///dir, pfs:///dir, "
             "s3://bucket/prefix...)"
+        )
+
+
+def _check_directory(spec: TierSpec) -> None:
+    """ConfigError when a directory tier's root, or the nearest directory above it (the tier
+    creates the rest), cannot be written by this process."""
+    path = Path(spec.location).absolute()
+    while not path.is_dir() and path != path.parent:  # a file in the way: the tier says so
+        path = path.parent
+    if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise ConfigError(
+            f"tier {spec.url} cannot be written: this user ({os.geteuid()}) cannot create files "
+            f"in {path} (its mode, or a read-only mount); give the tier a directory this user "
+            "can write, or mount it read-write"
         )
 
 

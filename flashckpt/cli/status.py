@@ -28,6 +28,7 @@ from .common import (
     human_bytes,
     only_job,
     run_dir,
+    shm_dir,
     shown,
 )
 
@@ -37,7 +38,7 @@ HELP = "this node's agent's view of a job's tiers, and its controller's view"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_job(p)
-    add_dirs(p, shm=False, run=True)
+    add_dirs(p, shm=True, run=True)
 
 
 def agent_alive(pid_file: Path) -> bool:
@@ -144,6 +145,22 @@ def _show_agent(job: str, agent: dict[str, Any], out: Output) -> None:
             out.problem(f"{t['url']}: {t['last_error']}")
 
 
+def _memory(shm: Path) -> dict[str, Any]:
+    """What flashckpt holds in this node's memory (every job's slots and the replicas held for
+    other nodes) against the node's cap (``FLASHCKPT_HOST_MEMORY``; None: no cap)."""
+    from ..snapshot import host_memory
+
+    return {"shm_dir": str(shm), "used_bytes": host_memory.used(shm),
+            "cap_bytes": host_memory.enforced(shm)}  # fmt: skip
+
+
+def _show_memory(memory: dict[str, Any], out: Output) -> None:
+    used, limit = memory["used_bytes"], memory["cap_bytes"]
+    of = "no cap (FLASHCKPT_HOST_MEMORY)" if limit is None else (
+        f"{used / limit:.0%} of the {human_bytes(limit)} cap (FLASHCKPT_HOST_MEMORY)")  # fmt: skip
+    out.line(f"host memory: {human_bytes(used)} in {memory['shm_dir']}, {of}")
+
+
 def run(args: argparse.Namespace, out: Output) -> int:
     run_d = run_dir(args)
     job = chosen_job(args)
@@ -157,9 +174,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
         job = only_job(live, f"{run_d} (agents running)")
     agent = _agent_view(run_d, job)
     controller = controller_view(run_d, job)
+    memory = _memory(shm_dir(args))
     _show_agent(job, agent, out)
+    _show_memory(memory, out)
     show_controller(controller, out)
     failing = [t["url"] for t in agent["tiers"] if t["health"] == "failing"]
     out.document({"command": NAME, "ok": not failing, "job": job, "agent": agent,
-                  "controller": controller})  # fmt: skip
+                  "host_memory": memory, "controller": controller})  # fmt: skip
     return PROBLEM if failing else OK

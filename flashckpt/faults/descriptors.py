@@ -40,6 +40,30 @@ def raise_soft_limit() -> int:
     return soft
 
 
+NODE_RESERVED = 256  # a launcher's and an agent's own files, sockets and gRPC channels
+PER_WORKER = 32  # a worker's pipes, heartbeat page, slots and agent connection, on its node
+
+
+def require_for_node(nproc_per_node: str | int) -> int:
+    """Raise the soft limit; ConfigError when the hard one cannot take this node's launcher,
+    agent and ``nproc_per_node`` workers (a container started with a tiny nofile limit fails
+    here, not with EMFILE in the middle of a save). The limit it has after."""
+    try:
+        workers = int(nproc_per_node)
+    except (TypeError, ValueError):  # gpu, auto: the machine's count, not known here
+        workers = 8
+    want = NODE_RESERVED + PER_WORKER * workers
+    limit = raise_soft_limit()
+    if limit != resource.RLIM_INFINITY and limit < want:
+        raise ConfigError(
+            f"this process's open-file limit is {limit} (the hard limit), below the {want} a "
+            f"node of {workers} workers needs (its launcher, agent and workers: {NODE_RESERVED} "
+            f"+ {PER_WORKER} a worker); raise it before starting (`ulimit -n {want}`, or the "
+            f"container's nofile limit, e.g. docker run --ulimit nofile={want}:{want})"
+        )
+    return limit
+
+
 def store_capacity(limit: int) -> int:
     """How many clients a store served under descriptor limit ``limit`` can take."""
     if limit == resource.RLIM_INFINITY:

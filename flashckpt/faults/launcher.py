@@ -45,6 +45,7 @@ from ..safe_paths import private_dir
 from . import control, preempt
 from .addresses import serve_here
 from .agent_keeper import AgentKeeper
+from .descriptors import require_for_node
 from .events import ENV as EVENTS_ENV
 from .events import EventLog, events_path
 from .hang import HangPolicy
@@ -248,6 +249,7 @@ def settle(args, argv: list[str], spare: bool, launch_env: dict[str, str]) -> La
     restart_policy = control.policy()
     config.check_agent_settings()  # the agent it keeps reads them
     preempt.check_settings()
+    require_for_node(args.nproc_per_node)  # inherited by the workers and the agent
     shm_dir = config.shm_dir()
     run_dir = private_dir(config.run_dir(), "run_dir")
     claim = claim_job(run_dir, job)

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import config
 from ..errors import ConfigError
 from .loader import committed, load_from, resolve_job
 from .sources import run_with_tier
@@ -75,7 +76,6 @@ _NAMES = {  # format -> (single file, shard prefix, shard suffix, index)
     "torch": ("pytorch_model.bin", "pytorch_model", ".bin", "pytorch_model.bin.index.json"),
     "safetensors": ("model.safetensors", "model", ".safetensors", "model.safetensors.index.json"),
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
 _PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device)
 MAX_NAMED = 5
 
@@ -97,20 +97,8 @@ class ExportResult:
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes of ``5GB``, ``500MB``, ``2GiB``, ``1048576``: decimal units for KB/MB/GB/TB and
-    binary for KiB/MiB/GiB/TiB, as transformers reads ``max_shard_size``."""
-    if isinstance(text, int):
-        size = text
-    else:
-        m = _SIZE.fullmatch(text)
-        if not m:
-            raise ConfigError(f"{text!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1048576)")
-        unit = m.group(2).upper().removesuffix("B")
-        base = 1024 if unit.endswith("I") else 1000
-        size = int(float(m.group(1)) * base ** " KMGT".index(unit[:1] or " "))
-    if size < 1:
-        raise ConfigError(f"a shard size must be at least one byte, not {text!r}")
-    return size
+    """Bytes of ``5GB``, ``500MB``, ``2GiB``, ``1048576`` (``config.parse_size``)."""
+    return config.parse_size(text, "a shard size")
 
 
 def export(

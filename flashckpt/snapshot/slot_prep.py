@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..errors import HostMemoryCapError
 from ..format.slot import Slot
 from .device import DeviceRuntime
 from .pinning import Pinner
@@ -48,7 +49,13 @@ class SlotPreparer:
             fut.result()
         if self._free(target) and _short(self.pair.slots[target], need):
             self.pair.check_space(capacity)
-            self._prepare(target, capacity, prefault=False)
+            try:
+                self._prepare(target, capacity, prefault=False)
+            except HostMemoryCapError as exc:
+                made = sum(s is not None for s in self.pair.slots)
+                if not made:  # not even one slot: the cap is too small for this rank
+                    raise
+                self._capped(made, exc)
 
     def wait(self, raise_errors: bool = True) -> None:
         """Finish the background work in flight (before the slots are read or freed)."""
@@ -89,7 +96,23 @@ class SlotPreparer:
         return i not in self.pending and i not in self.pair.busy and i not in self.pair.writing
 
     def _in_background(self, i: int, capacity: int, device: Hashable | None) -> None:
-        self._busy_while(i, lambda: self._prepare(i, capacity, background=True, device=device))
+        def prepare() -> None:
+            try:
+                self._prepare(i, capacity, background=True, device=device)
+            except HostMemoryCapError as exc:
+                self._capped(i, exc)
+
+        self._busy_while(i, prepare)
+
+    def _capped(self, count: int, exc: HostMemoryCapError) -> None:
+        """The node's host-memory cap fits ``count`` slots of this rank: no more are made."""
+        self.pair.cap_at(count)
+        log.warning(
+            "rank %d keeps %d slot(s): %s. %s", self.pair.rank, self.pair.in_use, exc,
+            "With one slot, a save overwrites the newest snapshot only once every tier holds "
+            "it, and skips otherwise" if self.pair.capped else "A save skips while "
+            "persistence lags",
+        )  # fmt: skip
 
     def _busy_while(self, i: int, work: Callable[[], None], marks: set[int] | None = None) -> None:
         """Run ``work`` on slot ``i`` in the background, with ``i`` in ``marks`` meanwhile:

@@ -29,6 +29,7 @@ from ..format.manifest import Manifest
 from ..format.slot import Slot, SlotHeader, SlotState, shm_space_error
 from ..pidfile import PidFileBusy, lock_pidfile, release_doomed
 from ..safe_paths import private_dir
+from . import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -295,12 +296,37 @@ class SlotPair:
         snapshots written into it pay no page faults, unless ``prefault`` is False). The
         caller owns the rank."""
         slot = self.slots[i]
-        if slot is None:
-            slot = self.slots[i] = Slot.create(
-                self.paths[i], capacity, owner=True, prefault=prefault
-            )
-        elif slot.capacity < capacity:
-            slot.grow(capacity, prefault)
+        more = capacity - (slot.capacity if slot is not None else 0)
+        with host_memory.reserving(self.shm_dir, more, f"slot {i} of rank {self.rank}"):
+            if slot is None:
+                slot = self.slots[i] = Slot.create(
+                    self.paths[i], capacity, owner=True, prefault=prefault
+                )
+            elif slot.capacity < capacity:
+                slot.grow(capacity, prefault)
+        return slot
+
+    def cap_at(self, count: int) -> None:
+        """Make no more than ``count`` slots (the node's host-memory cap fits no more)."""
+        self.max_in_use = self.in_use = max(1, min(self.in_use, count))
+
+    @property
+    def capped(self) -> bool:
+        """Whether the cap left this rank fewer than the two slots it turns between."""
+        return self.max_in_use < N_STEADY
+
+    def acquire_newest(self, need: int) -> Slot | None:
+        """Lock the slot holding the newest snapshot for writing over it (only for a rank the
+        cap left one slot, once that snapshot is stored everywhere); None if a reader holds
+        it or it is too small."""
+        order = self.write_order()
+        i = order[-1]
+        slot = self.slots[i]
+        if slot is None or i in self.busy or i in self.pinning or slot.capacity < need:
+            return None
+        if not slot.try_lock(exclusive=True):
+            return None
+        self.writing.add(i)
         return slot
 
     def ready(self) -> list[Slot]:
