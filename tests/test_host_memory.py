@@ -114,3 +114,55 @@ def test_a_replica_past_the_cap_is_refused_with_the_reason(nodes, monkeypatch):
     assert "node node1 holds" in str(err.value)
     assert holder.refused == 1
     asyncio.run(open_tier("peer://auto").put("pj/small", [memoryview(b"y" * 100)], 100))
+
+
+RANK_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import torch
+from flashckpt import Checkpointer
+sys.path.insert(0, {tests!r})
+from test_host_memory import state
+ckpt = Checkpointer(job="two", rank=int(os.environ["RANK"]))
+for step in range(4):
+    ckpt.save(step, state(step))
+    time.sleep(0.1)  # the slots after the first are made in the background meanwhile
+Path(os.environ["SAVED"]).touch()
+while not Path(os.environ["LEAVE"]).exists():
+    time.sleep(0.05)
+print("skipped", ckpt.skipped, flush=True)
+ckpt.close()
+"""
+
+
+def test_a_ranks_second_slot_leaves_room_for_the_first_slot_of_a_rank_not_started(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    """Two ranks at a cap of two and a half slots: the rank that starts first does not take
+    the other's room, and each keeps one slot."""
+    cap = one_slot(shm_dir) * 5 // 3  # 1.5 slots each time: 2.5 slots
+    leave = tmp_path / "leave"
+    script = RANK_SCRIPT.format(tests=str(Path(__file__).parent))
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                   "FLASHCKPT_HOST_MEMORY": str(cap), "SAVED": str(tmp_path / f"saved{rank}"),
+                   "LEAVE": str(leave)}  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+            deadline = time.monotonic() + 60
+            while not (tmp_path / f"saved{rank}").exists():
+                assert procs[-1].poll() is None, procs[-1].communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "rank {rank} did not save"
+                time.sleep(0.05)
+        assert host_memory.used(shm_dir) <= cap
+        assert [len(list(job_dir(shm_dir, "two").glob(f"rank-{r}.slot-*"))) for r in (0, 1)] == [
+            1,
+            1,
+        ]
+    finally:
+        leave.touch()
+        outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    assert all("keeps 1 slot(s)" in err for _, err in outs), [err[-2000:] for _, err in outs]

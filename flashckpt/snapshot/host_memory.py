@@ -62,9 +62,10 @@ def used(shm_dir: Path) -> int:
 
 
 @contextlib.contextmanager
-def reserving(shm_dir: Path, more: int, what: str) -> Iterator[None]:
+def reserving(shm_dir: Path, more: int, what: str, keep: int = 0) -> Iterator[None]:
     """Hold the node's lock while ``what`` allocates ``more`` bytes under ``shm_dir``;
-    ``HostMemoryCapError`` first if they do not fit the cap. No cap: no lock."""
+    ``HostMemoryCapError`` first if they do not fit the cap with ``keep`` bytes left over
+    (for what others need first). No cap: no lock."""
     limit = cap()
     if limit is None or more <= 0:
         yield
@@ -76,12 +77,17 @@ def reserving(shm_dir: Path, more: int, what: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             write_atomic(Path(shm_dir) / CAP_NAME, str(limit).encode())
         now = used(shm_dir)
-        if now + more > limit:
+        if now + more + keep > limit:
+            kept = (
+                f", and {_mib(keep)} are kept for the first slots of the node's other ranks"
+                if keep
+                else ""
+            )
             raise HostMemoryCapError(
                 f"{what} needs {_mib(more)} more, but this node's flashckpt memory holds "
                 f"{_mib(now)} of its {ENV} cap of {_mib(limit)} (slots of every rank and the "
-                f"replicas held for other nodes, in {shm_dir}); raise the cap, or give the "
-                "node fewer ranks or a smaller state"
+                f"replicas held for other nodes, in {shm_dir}){kept}; raise the cap, or give "
+                "the node fewer ranks or a smaller state"
             )
         yield
     finally:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import config
 from ..errors import FlashCkptError, ManifestError, RankBusyError, SharedMemoryError
 
 # Against the layers, by design: a rank's files in shared memory are freed together, and the
@@ -297,7 +298,11 @@ class SlotPair:
         caller owns the rank."""
         slot = self.slots[i]
         more = capacity - (slot.capacity if slot is not None else 0)
-        with host_memory.reserving(self.shm_dir, more, f"slot {i} of rank {self.rank}"):
+        # A rank's second slot never takes the room of another rank's first: the node's ranks
+        # that have none yet are counted at this one's size.
+        others = max(0, config.local_world_size() - len(ranks_in(self.shm_dir, self.job)))
+        keep = capacity * others if i > 0 else 0
+        with host_memory.reserving(self.shm_dir, more, f"slot {i} of rank {self.rank}", keep):
             if slot is None:
                 slot = self.slots[i] = Slot.create(
                     self.paths[i], capacity, owner=True, prefault=prefault
