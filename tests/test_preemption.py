@@ -112,3 +112,25 @@ def test_workers_that_never_ask_are_stopped_at_half_the_budget_and_a_whole_step_
         assert last <= said["step"] <= last + 1, (said, last)
         steps.append(said["step"])
     assert min(steps) in committed(pfs, cluster.job), (steps, committed(pfs, cluster.job))
+
+
+@pytest.mark.slow
+def test_a_launcher_still_in_its_rendezvous_leaves_by_the_deadline(tmp_path):
+    """Notice while TorchElastic waits for a node that never comes: nothing to store, and the
+    launcher is gone by the deadline all the same."""
+    cluster = Cluster(tmp_path, "alone", FT_TIERS=f"pfs://{tmp_path / 'pfs'}",
+                      FLASHCKPT_PREEMPT_BUDGET="3")  # fmt: skip
+    try:
+        cluster.start(0)  # node 1 never starts: the rendezvous waits for it
+        wait_for(lambda: any(e["kind"] == "launcher_started" for e in cluster.events(0)),
+                 timeout=60, what="the launcher's start")  # fmt: skip
+        time.sleep(1.0)  # into the rendezvous
+        began = time.monotonic()
+        os.kill(cluster.procs[0].pid, signal.SIGTERM)
+        code = cluster.procs[0].wait(30)
+        took = time.monotonic() - began
+    finally:
+        cluster.close()
+    assert code == 143 and took < 3 + 4, (code, took)
+    said = preempted(cluster.events(0))
+    assert said["step"] is None and said["said"] == "no step saved here: nothing to persist", said
