@@ -43,7 +43,7 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("dcp",)  # ``flashckpt.dcp`` without importing it first
+_SUBMODULES = ("dcp", "hf", "lightning")  # ``flashckpt.dcp`` without importing it first
 
 
 def __getattr__(name: str):

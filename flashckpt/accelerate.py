@@ -6,12 +6,14 @@ memory; the node's agent persists it to the tiers. ``accelerator.load_state(inpu
 restores that step in place from the freshest source (this node's memory first, then the
 tiers), verified. What one step holds, as Accelerate's own ``save_state`` would write it:
 
-- the models prepared (their state dicts, after any ``register_save_state_pre_hook`` hook),
-  the optimizers, the LR schedulers and the GradScaler;
-- each prepared dataloader's position: a stateful dataloader's state
-  (``DataLoaderConfiguration(use_stateful_dataloader=True)``), the seedable sampler Accelerate
-  keeps for iterable datasets, and the epoch (``iteration``) a seedable sampler shuffles
-  with, which Accelerate itself does not keep;
+- the models prepared and their optimizers, by set-up: one process or DDP, each model's state
+  dict (after any ``register_save_state_pre_hook`` hook) and each optimizer's state; FSDP2
+  (``FullyShardedDataParallelPlugin(fsdp_version=2)``), the sharded modules and optimizers
+  themselves, each process its own shards (DTensors, with their global shape and offset);
+  DeepSpeed (ZeRO 1-3), the files each engine's ``save_checkpoint`` writes, kept in the step
+  (``flashckpt.accelerate_deepspeed``);
+- the LR schedulers and the GradScaler;
+- each prepared dataloader's position (``flashckpt.accelerate_data``);
 - the objects given to ``register_for_checkpointing``;
 - this process's random generators (torch CPU and CUDA, NumPy, Python: ``flashckpt.RNG``),
   ``accelerator.step`` and ``save_iteration``.
@@ -21,14 +23,12 @@ untouched): Accelerate's pre-hooks see only the models, and its own save writes 
 schedulers, generators and registered objects to files whatever a hook does, so hooks alone
 cannot make them one step. The hooks registered with ``register_save_state_pre_hook`` and
 ``register_load_state_pre_hook`` still run where Accelerate runs them, with the same
-arguments; a hook that removes a model's weights saves and loads that model itself.
+arguments (under FSDP and DeepSpeed, as in Accelerate, an empty list of weights and of models
+to load); a hook that removes a model's weights saves and loads that model itself.
 
-A loader resumed mid-epoch makes a new iterator, which draws its base seed from the global
-torch generator: the run that saved had drawn it before saving. That one draw is undone, so
-a resumed run draws the random numbers (dropout...) of a run that never stopped.
-
-The directory keeps only a pointer, ``flashckpt.pointer`` (a ``FLASHCKPT-ACCELERATE-POINTER``
-header and the job and step that hold the state), plus what pre-hooks write there. With no
+The directory keeps a pointer, ``flashckpt.pointer`` (a ``FLASHCKPT-ACCELERATE-POINTER``
+header and the job, step, number of processes and set-up that hold the state), plus what
+pre-hooks write there (and under DeepSpeed, its layout with a pointer in each file). With no
 tier named, the steps are kept in the ``.flashckpt`` folder of the first directory saved to,
 or of ``project_dir`` with automatic checkpoint naming (``total_limit`` becomes the tier's
 ``keep_last``). Automatic naming works as in Accelerate (``checkpoints/checkpoint_N``, oldest
@@ -36,28 +36,34 @@ pointers removed past ``total_limit``, ``load_state()`` takes the newest), and `
 also sets ``save_iteration`` to follow the step loaded, so the next save does not collide. A
 directory without a pointer but with Accelerate's files is loaded by Accelerate itself.
 
+A step loads at the number of processes that saved it, or at fewer where the state allows:
+one process or DDP (the models and optimizers are the same in every process) and FSDP2 (the
+shards are resharded). Each process then restores the rest from the process with its index;
+the dataloaders keep their epoch but start it again from its first batch, as the batches of
+each process are others. DeepSpeed ZeRO partitions are not resharded: a DeepSpeed step loads
+only at the number of processes that saved it. No step loads at more processes than saved it.
+
 Not through flashckpt, or not at all: ``safe_serialization`` changes nothing (tensors are
 always stored as raw bytes, never pickled; other values that are not plain scalars are
 pickled, so ``allow_pickle`` defaults to True as Accelerate's ``weights_only=False`` loads
 do); ``load_kwargs`` and ``map_location`` are ignored (state is restored in place, on the
-devices the live objects are on); a model loads strictly (``strict=False`` is refused);
-other accelerators' generators (XPU, NPU, MLU...) are not saved; DeepSpeed, FSDP,
-Megatron-LM and XLA set-ups are refused at ``attach``; a step restores only at the number of
-processes that saved it.
+devices the live objects are on); outside DeepSpeed a model loads strictly (``strict=False`` is
+refused); other accelerators' generators (XPU, NPU, MLU...) are not saved; FSDP1,
+Megatron-LM and XLA set-ups are refused at ``attach``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import accelerate_data, accelerate_dirs
 from .checkpointer import Checkpointer
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, StateMismatchError
 from .format import pointer as pointer_file
@@ -72,18 +78,26 @@ log = logging.getLogger(__name__)
 
 KIND = "ACCELERATE"
 POINTER = "flashckpt.pointer"  # the file of a save directory that names the step
-_CHECKPOINT = re.compile(r"^checkpoint_([0-9]+)$")
-# Files Accelerate's own save_state writes: a directory with one of them is Accelerate's.
-_ACCELERATE_FILE = re.compile(
-    r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|"
-    r"random_states_\d+\.pkl|scheduler(_\d+)?\.bin|custom_checkpoint_\d+\.pkl)$"
-)
 _UNSUPPORTED = {
-    DistributedType.DEEPSPEED: "use flashckpt.deepspeed.attach(engine) on the DeepSpeed engine",
-    DistributedType.FSDP: "FSDP checkpoints are not supported through Accelerate",
     DistributedType.MEGATRON_LM: "Megatron-LM checkpoints are not supported",
     DistributedType.XLA: "XLA devices are not supported",
 }
+
+
+class Setup(enum.Enum):
+    """How the prepared models and optimizers are held, which decides how they are saved."""
+
+    REPLICATED = "ddp"  # one process, or DDP: every process holds the whole model
+    FSDP2 = "fsdp2"  # each process holds its shards (DTensors)
+    DEEPSPEED = "deepspeed"  # DeepSpeed engines: their own checkpoint files
+
+    @classmethod
+    def of(cls, accelerator: Any) -> Setup:
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return cls.DEEPSPEED
+        if accelerator.distributed_type == DistributedType.FSDP:
+            return cls.FSDP2
+        return cls.REPLICATED
 
 
 @dataclass(frozen=True)
@@ -94,6 +108,7 @@ class Pointer:
     step: int
     world_size: int  # the processes that saved it: each restores its own snapshot
     tier: str | None  # the tier folder, relative to the pointer's directory, if none was named
+    setup: str = Setup.REPLICATED.value  # a Setup's value; pointers that predate it: "ddp"
 
     def dumps(self) -> bytes:
         return pointer_file.dumps(KIND, self.__dict__)
@@ -101,8 +116,9 @@ class Pointer:
     @classmethod
     def read(cls, path: str) -> Pointer | None:
         def parse(d: dict) -> Pointer:
-            tier = d["tier"]
-            return cls(str(d["job"]), int(d["step"]), int(d["world_size"]), tier and str(tier))
+            tier, setup = d["tier"], Setup(d.get("setup", Setup.REPLICATED.value))
+            return cls(str(d["job"]), int(d["step"]), int(d["world_size"]), tier and str(tier),
+                       setup.value)  # fmt: skip
 
         return pointer_file.read(path, KIND, parse, "load an older checkpoint directory")
 
@@ -112,6 +128,7 @@ class FlashAccelerate:
 
     def __init__(self, accelerator: Any, tiers: tuple[str, ...], checkpointer_args: dict):
         self.accelerator = accelerator
+        self.setup = Setup.of(accelerator)
         self.tiers = tiers
         self.args = checkpointer_args
         self.ckpt: Checkpointer | None = None
@@ -135,6 +152,10 @@ class FlashAccelerate:
                 self.tier_dir = tier_dir.resolve()
                 tiers = (self._dir_tier(self.tier_dir),)
             self.ckpt = Checkpointer(*tiers, **args)
+            if self.setup is Setup.DEEPSPEED:
+                from . import accelerate_deepspeed
+
+                accelerate_deepspeed.overlap_with_step(self.ckpt, self.accelerator._models)
         return self.ckpt
 
     def _dir_tier(self, tier_dir: Path) -> str:
@@ -151,11 +172,12 @@ class FlashAccelerate:
         safe_serialization: bool = True,
         **save_model_func_kwargs,
     ) -> Path:
-        """Accelerate's ``save_state``: snapshot every state as one step, write the pointer."""
+        """Accelerate's ``save_state``: snapshot every state as one step, write the pointer.
+        ``save_model_func_kwargs`` go to DeepSpeed's ``save_checkpoint``, as in Accelerate."""
         acc = self.accelerator
         config = acc.project_configuration
         if config.automatic_checkpoint_naming:
-            output_dir = self._next_automatic_dir()
+            output_dir = accelerate_dirs.next_dir(acc)
         elif output_dir is None:
             raise ConfigError(
                 "save_state() needs output_dir unless the Accelerator's project_config sets "
@@ -163,24 +185,24 @@ class FlashAccelerate:
             )
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        default_dir = Path(config.project_dir) if config.automatic_checkpoint_naming else out
+        ckpt = self._checkpointer(default_dir / pointer_file.DIR_TIER)
+        step = max(int(config.iteration), self.last + 1)
+        self._named_step_stored(ckpt)
+        models, weights = self._models_to_save(out, ckpt, step, save_model_func_kwargs)
         for hook in acc._save_model_state_pre_hook.values():
             hook(acc._models, weights, str(out))
         state = {
-            "models": weights,
-            "optimizers": list(acc._optimizers),
+            "models": models,
+            "optimizers": [] if self.setup is Setup.DEEPSPEED else list(acc._optimizers),
             "schedulers": [s.state_dict() for s in acc._schedulers],
-            "dataloaders": [self._dataloader_state(dl) for dl in acc._dataloaders],
+            "dataloaders": [accelerate_data.state_of(dl) for dl in acc._dataloaders],
             "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
             "custom": [obj.state_dict() for obj in acc._custom_objects],
             "rng": RNG(),
             "step": int(acc.step),
             "iteration": int(config.iteration),
         }
-        default_dir = Path(config.project_dir) if config.automatic_checkpoint_naming else out
-        ckpt = self._checkpointer(default_dir / pointer_file.DIR_TIER)
-        step = max(int(config.iteration), self.last + 1)
-        self._named_step_stored(ckpt)
         ckpt.save(step, {"accelerate": state})
         self.last = self.named = step
         tier = None
@@ -195,10 +217,23 @@ class FlashAccelerate:
                     step, out, self.tier_dir.parent,
                 )  # fmt: skip
         if acc.is_local_main_process:  # each node's: a node-local directory gets one too
-            pointer = Pointer(ckpt.job, step, int(acc.num_processes), tier)
+            pointer = Pointer(ckpt.job, step, int(acc.num_processes), tier, self.setup.value)
             pointer_file.write(out / POINTER, pointer.dumps())
         config.iteration += 1
         return out
+
+    def _models_to_save(self, out: Path, ckpt: Checkpointer, step: int,
+                        kwargs: dict[str, Any]) -> tuple[list, list]:  # fmt: skip
+        """What the step holds of the models, and the weights the save hooks get."""
+        acc = self.accelerator
+        if self.setup is Setup.DEEPSPEED:
+            from . import accelerate_deepspeed
+
+            return accelerate_deepspeed.save(acc._models, out, ckpt, step, kwargs), []
+        if self.setup is Setup.FSDP2:
+            return list(acc._models), []  # the modules: each process's shards
+        weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
+        return weights, weights  # a hook may remove a model's weights from the list
 
     def _named_step_stored(self, ckpt: Checkpointer) -> None:
         """Wait until the step the last directory names is in the first tier. The agent stores
@@ -214,46 +249,6 @@ class FlashAccelerate:
                         "while this node's memory holds it", named, ckpt._shown_tiers()[0],
                         ckpt.close_timeout)  # fmt: skip
 
-    def _next_automatic_dir(self) -> Path:
-        """``checkpoints/checkpoint_<save_iteration>``, removing the oldest past ``total_limit``
-        (main process), as Accelerate names them."""
-        acc = self.accelerator
-        config = acc.project_configuration
-        root = Path(config.project_dir) / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
-        limit = config.total_limit
-        if limit is not None and acc.is_main_process:
-            folders = _numbered(root)
-            for _, folder in folders[: max(0, len(folders) + 1 - limit)]:
-                shutil.rmtree(folder)
-        out = root / f"checkpoint_{config.iteration}"
-        if out.exists() and any(out.iterdir()):  # an empty one is a save cut short: reused
-            raise ValueError(
-                f"Checkpoint directory {out} ({config.iteration}) already exists. Please manually "
-                "override `self.save_iteration` with what iteration to start with."
-            )
-        acc.wait_for_everyone()
-        return out
-
-    def _dataloader_state(self, dl: Any) -> dict[str, Any]:
-        state = None
-        if getattr(dl, "use_stateful_dataloader", False):
-            state = dl.state_dict()
-        sampler = None
-        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-
-        if isinstance(dl.dataset, IterableDatasetShard):
-            candidate = dl.get_sampler()
-            if isinstance(candidate, SeedableRandomSampler):
-                sampler = candidate
-        iteration = getattr(dl, "iteration", None)
-        iterating, finished = _iterating(dl), bool(getattr(dl, "end_of_dataloader", False))
-        mid_epoch = iterating and not finished
-        if iteration is not None and iterating and finished:
-            # Saved at the last batch of an epoch: the loop that resumes starts the next one.
-            iteration += 1
-        return {"state": state, "sampler": sampler, "iteration": iteration, "mid_epoch": mid_epoch}
-
     # ---- loading ------------------------------------------------------------------------
     def load_state(
         self,
@@ -261,7 +256,8 @@ class FlashAccelerate:
         load_kwargs: dict | None = None,
         **load_model_func_kwargs,
     ) -> None:
-        """Accelerate's ``load_state``: restore the step the directory's pointer names."""
+        """Accelerate's ``load_state``: restore the step the directory's pointer names.
+        ``load_model_func_kwargs`` go to DeepSpeed's ``load_checkpoint``, as in Accelerate."""
         acc = self.accelerator
         config = acc.project_configuration
         if input_dir is not None:
@@ -271,7 +267,7 @@ class FlashAccelerate:
                     f"{directory} is not a directory; pass one save_state() wrote"
                 )
         elif config.automatic_checkpoint_naming:
-            directory = self._newest_automatic_dir()
+            directory = accelerate_dirs.newest_dir(acc, lambda d: (d / POINTER).is_file())
         else:
             raise ConfigError(
                 "load_state() needs input_dir unless the Accelerator's project_config sets "
@@ -280,7 +276,7 @@ class FlashAccelerate:
         path = directory / POINTER
         pointer = Pointer.read(str(path)) if path.is_file() else None
         if pointer is None:
-            if _written_by_accelerate(directory):
+            if accelerate_dirs.written_by_accelerate(directory):
                 log.info("%s holds no flashckpt pointer: Accelerate loads it", directory)
                 self.accelerate_load_state(str(directory), load_kwargs, **load_model_func_kwargs)
                 return
@@ -290,18 +286,49 @@ class FlashAccelerate:
                 "naming: project_dir/checkpoints/checkpoint_N), or call load_state() only once "
                 "a save_state() has run"
             )
-        _check_model_kwargs(load_model_func_kwargs)
-        if pointer.world_size != acc.num_processes:
-            raise StateMismatchError(
-                f"{path} names step {pointer.step} of job {pointer.job}, saved by "
-                f"{pointer.world_size} processes; this run has {acc.num_processes}. Each "
-                "process restores its own snapshot: launch as many processes to load it"
-            )
-        state = self._restore(pointer, directory)
-        self._apply(state)
+        load_model_func_kwargs.pop("map_location", None)
+        if self.setup is not Setup.DEEPSPEED:
+            _check_model_kwargs(load_model_func_kwargs)
+        resized = self._check_shape(pointer, path)
+        state = self._restore(pointer, directory, load_model_func_kwargs)
+        self._apply(state, position=not resized)
         config.iteration = max(int(config.iteration), int(state["iteration"]) + 1)
 
-    def _restore(self, pointer: Pointer, directory: Path) -> dict[str, Any]:
+    def _check_shape(self, pointer: Pointer, path: Path) -> bool:
+        """Refuse a step this run cannot load (another set-up, more processes, DeepSpeed at
+        another number); True where it loads at fewer processes than saved it."""
+        saved, now = pointer.world_size, int(self.accelerator.num_processes)
+        what = f"{path} names step {pointer.step} of job {pointer.job}, saved by {saved} processes"
+        if pointer.setup != self.setup.value:
+            raise StateMismatchError(
+                f"{what} under {_SHOWN[pointer.setup]}; this run uses {_SHOWN[self.setup.value]}. "
+                f"Load it with the set-up that saved it ({_SHOWN[pointer.setup]})"
+            )
+        if now == saved:
+            return False
+        if now > saved:
+            raise StateMismatchError(
+                f"{what}; this run has {now}. A step loads at the number of processes that "
+                f"saved it or fewer: launch at most {saved} processes to load it"
+            )
+        if self.setup is Setup.DEEPSPEED:
+            raise StateMismatchError(
+                f"{what}; this run has {now}. DeepSpeed ZeRO keeps each process's partition "
+                "of the optimizer state (and at stage 3 of the weights) in that process's own "
+                f"files, which flashckpt does not reshard: launch {saved} processes to load it "
+                "(to go on at another number, load it there and save the weights with "
+                "accelerator.save_model(), then start the new run from them)"
+            )
+        log.warning(
+            "%s; this run has %d. Each process restores the models, optimizers, schedulers and "
+            "registered objects, its random generators from the process with its index, and "
+            "each dataloader's epoch, started again from its first batch",
+            what, now,
+        )  # fmt: skip
+        return True
+
+    def _restore(self, pointer: Pointer, directory: Path,
+                 model_kwargs: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
         acc = self.accelerator
         tier_dir = None
         if pointer.tier is not None:
@@ -317,13 +344,23 @@ class FlashAccelerate:
                 f"the checkpoint in {directory} belongs to job {pointer.job!r}, this run is job "
                 f"{ckpt.job!r}; set FLASHCKPT_JOB={pointer.job} (or job=) to load it"
             )
-        models = list(acc._models)
+        replicated = self.setup is Setup.REPLICATED
+        models = list(acc._models) if replicated else []  # FSDP, DeepSpeed: none, as Accelerate
         for hook in acc._load_model_state_pre_hook.values():
             hook(models, str(directory))
+        if self.setup is Setup.FSDP2:
+            models_target: list = list(acc._models)  # the shards, filled in place
+        elif self.setup is Setup.DEEPSPEED:
+            models_target = [None] * len(acc._models)  # None: the snapshot's value
+        else:
+            models_target = [model.state_dict() for model in models]  # filled in place
+        # The optimizers inside Accelerate's wrappers: a fresh one's state is made by a step
+        # (FSDP2, a GPU), which the wrapper would hand to a GradScaler not yet scaling.
+        optimizers = [getattr(opt, "optimizer", opt) for opt in acc._optimizers]
         target: dict[str, Any] = {
-            "models": [model.state_dict() for model in models],  # filled in place
-            "optimizers": list(acc._optimizers),
-            "schedulers": [None] * len(acc._schedulers),  # None: the snapshot's value
+            "models": models_target,
+            "optimizers": [] if self.setup is Setup.DEEPSPEED else optimizers,
+            "schedulers": [None] * len(acc._schedulers),
             "dataloaders": [None] * len(acc._dataloaders),
             "scaler": None,
             "custom": [None] * len(acc._custom_objects),
@@ -342,18 +379,25 @@ class FlashAccelerate:
                 "process; load an older checkpoint directory"
             ) from None
         self.last = max(self.last, pointer.step)
-        for model, restored in zip(models, target["models"], strict=True):
-            if any(not isinstance(v, torch.Tensor) for v in restored.values()):
-                model.load_state_dict(restored)  # extra state: restored as a value, not in place
-        return wrapped["accelerate"]
+        state = wrapped["accelerate"]
+        if self.setup is Setup.DEEPSPEED:
+            from . import accelerate_deepspeed
 
-    def _apply(self, state: dict[str, Any]) -> None:
+            accelerate_deepspeed.load(acc._models, state["models"], directory, ckpt,
+                                      pointer.step, model_kwargs)  # fmt: skip
+        elif replicated:
+            for model, restored in zip(models, target["models"], strict=True):
+                if any(not isinstance(v, torch.Tensor) for v in restored.values()):
+                    model.load_state_dict(restored)  # extra state: a value, not in place
+        return state
+
+    def _apply(self, state: dict[str, Any], position: bool) -> None:
         """Hand the restored values that are not restored in place to their objects."""
         acc = self.accelerator
         for scheduler, saved in zip(acc._schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
         for dl, saved in zip(acc._dataloaders, state["dataloaders"], strict=True):
-            _load_dataloader(dl, saved)
+            accelerate_data.load(dl, saved, position)
         if acc.scaler is not None:
             if state["scaler"] is None:
                 raise StateMismatchError(
@@ -365,82 +409,18 @@ class FlashAccelerate:
             obj.load_state_dict(saved)
         acc.step = int(state["step"])
 
-    def _newest_automatic_dir(self) -> Path:
-        root = Path(self.accelerator.project_configuration.project_dir) / "checkpoints"
-        folders = _numbered(root) if root.is_dir() else []
-        for _, folder in reversed(folders):
-            if (folder / POINTER).is_file() or _written_by_accelerate(folder):
-                return folder
-            log.warning("%s holds no checkpoint (a save cut short); trying an older one", folder)
-        raise CheckpointNotFoundError(
-            f"no checkpoint under {root} (automatic checkpoint naming): nothing to load; start "
-            "from scratch, or save_state() first"
-        )
-
     def close(self) -> None:
         """Wait for the tiers to hold the last step saved and free this process's slots."""
         if self.ckpt is not None:
             self.ckpt.close()
 
 
-def _numbered(root: Path) -> list[tuple[int, Path]]:
-    """The ``checkpoint_N`` folders of ``root``, oldest first."""
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT.match(p.name))]
-    return sorted(f for f in found if f[1].is_dir())
-
-
-def _written_by_accelerate(directory: Path) -> bool:
-    return any(_ACCELERATE_FILE.match(p.name) for p in directory.iterdir())
-
-
-def _iterating(dl: Any) -> bool:
-    """Whether ``dl`` is being iterated (between Accelerate's begin() and end())."""
-    refs = getattr(getattr(dl, "gradient_state", None), "dataloader_references", [])
-    return any(ref is dl for ref in refs)
-
-
-def _load_dataloader(dl: Any, saved: dict[str, Any]) -> None:
-    if saved.get("sampler") is not None:
-        dl.set_sampler(saved["sampler"])
-    state = saved.get("state")
-    if state is not None and getattr(dl, "use_stateful_dataloader", False):
-        # A finished epoch's state is not loaded: torchdata would make an iterator only to
-        # find it finished and make another (one more draw from the generator than the run
-        # that saved made); a loader with no state starts the next epoch as that run did.
-        finished = bool(state.get("_iterator_finished"))
-        dl.load_state_dict({} if finished else state)
-        dl.dl_state_dict = dict(state)  # what state_dict() gives until it iterates
-        if saved.get("mid_epoch") and not finished:
-            _without_draws_on_resume(dl)
-    if saved.get("iteration") is not None and hasattr(dl, "set_epoch"):
-        dl.set_epoch(int(saved["iteration"]))
-
-
-def _without_draws_on_resume(dl: Any) -> None:
-    """Let the iterator that resumes ``dl`` leave the global torch generator as it finds it.
-
-    A DataLoader draws from the global generator as it makes each epoch's iterator (its base
-    seed). The run that saved made this epoch's iterator before saving, so its draw is in the
-    saved generator state; the resumed run makes one more, which would shift every random
-    number after it (dropout, ...). The next ``iter()`` of this one loader undoes its draws.
-    """
-    base = getattr(dl, "base_dataloader", None)
-    if base is None:
-        return
-
-    def first_iter() -> Any:
-        del base.__iter__  # one epoch only: the next ones draw as in an uninterrupted run
-        before = torch.get_rng_state()
-        try:
-            return type(base).__iter__(base)
-        finally:
-            torch.set_rng_state(before)
-
-    base.__iter__ = first_iter  # Accelerate's DataLoaderShard calls base_dataloader.__iter__()
+_SHOWN = {Setup.REPLICATED.value: "one process or DDP", Setup.FSDP2.value: "FSDP2",
+          Setup.DEEPSPEED.value: "DeepSpeed"}  # fmt: skip
 
 
 def _check_model_kwargs(kwargs: dict[str, Any]) -> None:
-    unknown = {k: v for k, v in kwargs.items() if k != "map_location"}
+    unknown = dict(kwargs)
     if unknown.pop("strict", True) is not True or unknown:
         raise ConfigError(
             f"load_state() got {', '.join(sorted(kwargs))}: flashckpt restores every model "
@@ -458,12 +438,21 @@ def attach(accelerator: Any, *tiers: str, **checkpointer_args: Any) -> FlashAcce
     """
     if "save_state" in vars(accelerator) or "load_state" in vars(accelerator):
         raise ConfigError("this Accelerator is already attached to flashckpt")
-    why = _UNSUPPORTED.get(accelerator.distributed_type)
+    kind = accelerator.distributed_type
+    why = _UNSUPPORTED.get(kind)
     if why is not None:
         raise ConfigError(
-            f"flashckpt.accelerate supports single-process and data-parallel (DDP) training, "
-            f"not {accelerator.distributed_type}: {why}"
+            f"flashckpt.accelerate supports one process, DDP, FSDP2 and DeepSpeed, not {kind}: "
+            f"{why}"
         )
+    if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ConfigError(
+            "flashckpt.accelerate supports FSDP2 only, this Accelerator uses FSDP1; pass "
+            "FullyShardedDataParallelPlugin(fsdp_version=2) (or fsdp_version: 2 in the "
+            "Accelerate config)"
+        )
+    if kind == DistributedType.DEEPSPEED:
+        from . import accelerate_deepspeed  # noqa: F401 - fails now if DeepSpeed is missing
     checkpointer_args.setdefault("allow_pickle", True)
     flash = FlashAccelerate(accelerator, tuple(tiers), checkpointer_args)
     accelerator.save_state = flash.save_state

@@ -1,8 +1,10 @@
 """Hugging Face Accelerate's ``save_state``/``load_state`` through ``flashckpt.accelerate``: real
-``Accelerator(cpu=True)`` runs in fresh processes, alone and as two DDP processes (gloo)."""
+Accelerators in fresh processes, alone, as two DDP processes, and under DeepSpeed (ZeRO-3) and
+FSDP2 (gloo, CPU), killed with SIGKILL and resumed, and at fewer processes than saved."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_python, torchrun
+from conftest import ROOT, descendants, requires, run_python, torchrun, wait_for
+
+from flashckpt.format import pointer as pointer_file
 
 pytest.importorskip("accelerate")
 TRAINER = ROOT / "tests" / "accel_trainer.py"
@@ -29,13 +33,16 @@ def results(out: Path, ranks: int) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
 
 
-def run_trainer(ranks: int, *args, env: dict) -> None:
-    if ranks == 1:
+def run_trainer(ranks: int, *args, env: dict) -> str:
+    """The trainer as ``ranks`` processes: plain Python for one (no process group), else
+    torchrun (which FSDP2 needs even at one). Returns what it wrote to stderr."""
+    if ranks == 1 and env.get("ACCEL_SETUP", "ddp") == "ddp":
         cmd = [sys.executable, str(TRAINER), *map(str, args)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     else:
-        torchrun(ranks, TRAINER, *args, env=env, timeout=120)
+        proc = torchrun(ranks, TRAINER, *args, env=env, timeout=120)
+    return proc.stderr
 
 
 def assert_resumed_as_uninterrupted(saved: dict, loaded: dict, at: int) -> None:
@@ -49,14 +56,21 @@ def assert_resumed_as_uninterrupted(saved: dict, loaded: dict, at: int) -> None:
     for s in range(at + 1, 10):
         assert loaded["steps"][str(s)] == saved["steps"][str(s)], f"step {s} differs"
     assert loaded["params"] == saved["params"]
+    assert loaded["moments"] == saved["moments"]  # AdamW's, whole
     assert loaded["draw"] == saved["draw"]  # the process's generator went on as if unbroken
 
 
-def assert_pointer(directory: Path, step: int, world_size: int, tier: str) -> None:
+def assert_pointer(
+    directory: Path, step: int, world_size: int, tier: str, setup: str = "ddp"
+) -> None:
     raw = (directory / "flashckpt.pointer").read_bytes()
     assert raw.startswith(MAGIC)
     body = json.loads(raw[len(MAGIC) :])
-    assert body == {"job": "accel", "step": step, "world_size": world_size, "tier": tier}
+    assert body == {
+        "job": "accel", "step": step, "world_size": world_size, "tier": tier, "setup": setup
+    }  # fmt: skip
+    if setup != "ddp":
+        return  # DeepSpeed writes its own layout next to it
     assert sorted(p.name for p in directory.iterdir() if p.name != ".flashckpt") == [
         "flashckpt.pointer"
     ]  # none of Accelerate's own files: the state is in the snapshot
@@ -88,18 +102,132 @@ def test_one_process_resumes_from_the_tier_alone_at_an_epoch_end(env, shm_dir, r
 
 
 @pytest.mark.slow
-def test_two_processes_resume_mid_epoch(env, tmp_path):
+def test_two_processes_resume_mid_epoch_and_one_process_takes_the_replicas(env, tmp_path):
     """Two DDP processes under torchrun: each restores its own snapshot of the step saved
-    mid-epoch (its own RNG and its shard's dataloader position)."""
+    mid-epoch (its own RNG and its shard's dataloader position). A directory saved by one
+    process is refused at two. One process (no process group) loads the two processes' step:
+    the weights and AdamW state saved, and epoch 1 started again from its first batch."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "saved"
     run_trainer(2, "save", ckpt, out, env=env)
     assert_pointer(ckpt / "a", 0, 2, ".flashckpt")
-    run_trainer(2, "load", ckpt, tmp_path / "loaded", "a", env=env)
+    write_pointer(ckpt / "solo", step=0, world_size=1, tier="../a/.flashckpt")
+    run_trainer(2, "load", ckpt, tmp_path / "loaded", "a", env={**env, "ACCEL_TRY": "solo"})
     saved, loaded = results(out, 2), results(tmp_path / "loaded", 2)
     assert saved[0]["steps"]["5"]["batch"] != saved[1]["steps"]["5"]["batch"]  # two shards
     for s, lo in zip(saved, loaded, strict=True):
         assert lo["loaded"]["epoch"] == 1
         assert_resumed_as_uninterrupted(s, lo, 4)
+        refused = lo["tried"]["solo"]
+        assert refused.startswith("StateMismatchError") and "saved by 1 processes" in refused
+        assert "this run has 2" in refused and "launch at most 1 processes" in refused
+
+    said = run_trainer(1, "load", ckpt, tmp_path / "alone", "a", env=env)
+    assert "saved by 2 processes; this run has 1" in said
+    assert "each dataloader's epoch, started again from its first batch" in said
+    [alone] = results(tmp_path / "alone", 1)
+    at4 = saved[0]["saved"]["4"]
+    assert saved[1]["saved"]["4"] == at4  # replicas
+    assert whole(alone["loaded"]) == at4  # the weights and AdamW moments saved
+    assert alone["loaded"]["n"] == 4 and alone["loaded"]["lr"] == saved[0]["steps"]["4"]["lr"]
+    assert alone["loaded"]["epoch"] == 1
+    # Step 4 was epoch 1's first batch for process 0: one process starts that epoch again.
+    assert alone["steps"]["5"]["batch"] == saved[0]["steps"]["4"]["batch"]
+
+
+def whole(loaded: dict) -> dict:
+    """The digests of the whole parameters and AdamW moments just after a load."""
+    return {"params": loaded["params"], "moments": loaded["moments"]}
+
+
+def write_pointer(directory: Path, **fields) -> None:
+    """A pointer as save_state() writes it, naming what ``fields`` say."""
+    directory.mkdir(parents=True)
+    body = {"job": "accel", "tier": ".flashckpt", "setup": "ddp", **fields}
+    (directory / "flashckpt.pointer").write_bytes(pointer_file.dumps("ACCELERATE", body))
+
+
+def run_then_kill(ranks: int, *args, env: dict, log: Path) -> None:
+    """The trainer under torchrun, told to wait once it has written its results; once every
+    process has, SIGKILL torchrun and every process below it (the workers, and the agent if
+    it is one): nothing is closed, the snapshots stay where the kill finds them."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", str(TRAINER), *map(str, args)]  # fmt: skip
+    out = Path(args[2])
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env={**env, "ACCEL_HOLD": "1"}, cwd=ROOT, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            wait_for(
+                lambda: proc.poll() is not None
+                or all(Path(f"{out}.{r}").exists() for r in range(ranks)),
+                timeout=180, what="every process's results",
+            )  # fmt: skip
+            assert proc.poll() is None, log.read_text()[-4000:]
+        finally:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+DEEPSPEED = requires("deepspeed", "'flashckpt[deepspeed]'")
+
+
+@pytest.mark.slow
+@DEEPSPEED
+def test_deepspeed_zero3_killed_resumes_as_if_never_stopped(env, tmp_path):
+    """Accelerate with DeepSpeed ZeRO-3 on two processes (CPU, gloo): saved after steps 4 and
+    6, SIGKILLed from outside; new processes from another seed load b/ (step 6, an epoch's
+    end) from shared memory, and steps 7-9 are the uninterrupted run's bit for bit. The
+    directory keeps DeepSpeed's layout, every file a pointer. At fewer processes, refused."""
+    env = {**env, "ACCEL_SETUP": "zero3", "DS_ACCELERATOR": "cpu"}
+    ckpt, out = tmp_path / "ckpt", tmp_path / "saved"
+    run_then_kill(2, "save", ckpt, out, env=env, log=tmp_path / "save.log")
+    assert_pointer(ckpt / "b", 1, 2, "../a/.flashckpt", "deepspeed")
+    assert (ckpt / "b" / "latest").read_text() == "pytorch_model"
+    files = sorted((ckpt / "b" / "pytorch_model").iterdir())
+    assert len(files) == 4, files  # model and optimizer states of each process
+    for path in files:
+        assert path.read_bytes().startswith(b"FLASHCKPT-DEEPSPEED-POINTER 1\n")
+    write_pointer(ckpt / "fewer", step=1, world_size=4, tier="../a/.flashckpt", setup="deepspeed")
+    run_trainer(2, "load", ckpt, tmp_path / "loaded", "b", env={**env, "ACCEL_TRY": "fewer"})
+    saved, loaded = results(out, 2), results(tmp_path / "loaded", 2)
+    for s, lo in zip(saved, loaded, strict=True):
+        assert lo["loaded"]["source"] == "shared memory"
+        assert lo["loaded"]["epoch"] == 2
+        assert whole(lo["loaded"]) == s["saved"]["6"]
+        assert_resumed_as_uninterrupted(s, lo, 6)
+        refused = lo["tried"]["fewer"]
+        assert refused.startswith("StateMismatchError") and "saved by 4 processes" in refused
+        assert "DeepSpeed ZeRO keeps each process's partition" in refused
+        assert "launch 4 processes to load it" in refused
+
+
+@pytest.mark.slow
+def test_fsdp2_killed_resumes_as_if_never_stopped_and_reshards_to_one_process(env, tmp_path):
+    """Accelerate with FSDP2 on two processes: saved after steps 4 and 6, SIGKILLed; two new
+    processes load a/ (mid-epoch) from shared memory and go on bit for bit as the run that
+    never stopped. One process loads the same step: its whole parameters and AdamW moments
+    are those the two processes' shards held."""
+    env = {**env, "ACCEL_SETUP": "fsdp2"}
+    ckpt, out = tmp_path / "ckpt", tmp_path / "saved"
+    run_then_kill(2, "save", ckpt, out, env=env, log=tmp_path / "save.log")
+    assert_pointer(ckpt / "a", 0, 2, ".flashckpt", "fsdp2")
+    run_trainer(2, "load", ckpt, tmp_path / "loaded", "a", env=env)
+    saved, loaded = results(out, 2), results(tmp_path / "loaded", 2)
+    for s, lo in zip(saved, loaded, strict=True):
+        assert lo["loaded"]["source"] == "shared memory"
+        assert lo["loaded"]["epoch"] == 1
+        assert_resumed_as_uninterrupted(s, lo, 4)
+
+    run_trainer(1, "load", ckpt, tmp_path / "alone", "a", env=env)
+    [alone] = results(tmp_path / "alone", 1)
+    assert alone["loaded"]["source"] == "shared memory"  # both processes' shards are there
+    at4 = saved[0]["saved"]["4"]
+    assert whole(alone["loaded"]) == at4  # the weights and AdamW moments saved
+    assert alone["loaded"]["n"] == 4 and alone["loaded"]["lr"] == saved[0]["steps"]["4"]["lr"]
+    assert alone["steps"]["5"]["batch"] == saved[0]["steps"]["4"]["batch"]  # epoch 1 again
 
 
 BAD_INPUTS = """
@@ -139,15 +267,21 @@ attempt("no_dir_arg", lambda: acc.load_state())
 attempt("save_no_dir", lambda: acc.save_state())
 attempt("attach_twice", lambda: fa.attach(acc))
 fields = {"job": "accel", "step": 99, "world_size": 1, "tier": ".flashckpt"}
-for name, body in [("gone", fields), ("ranks", {**fields, "world_size": 2})]:
+for name, body in [("gone", fields), ("setup", {**fields, "setup": "fsdp2"})]:
     (root / name).mkdir()
     (root / name / "flashckpt.pointer").write_bytes(pointer.dumps("ACCELERATE", body))
 (root / "damaged").mkdir()
 (root / "damaged" / "flashckpt.pointer").write_bytes(pointer.magic("ACCELERATE") + b"{oops")
 attempt("damaged", lambda: acc.load_state(str(root / "damaged")))
-attempt("ranks", lambda: acc.load_state(str(root / "ranks")))
+attempt("setup", lambda: acc.load_state(str(root / "setup")))
 attempt("strict", lambda: acc.load_state(str(root / "gone"), strict=False))
 attempt("gone", lambda: acc.load_state(str(root / "gone")))
+# What a GPU machine's Accelerator says under an FSDP1 plugin: refused at attach.
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+acc.state.distributed_type = DistributedType.FSDP
+acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
+del acc.save_state, acc.load_state
+attempt("fsdp1", lambda: fa.attach(acc))
 print("REPORT" + json.dumps(report))
 """
 
@@ -165,10 +299,9 @@ def test_bad_directories_get_a_clear_error_and_accelerate_s_own_still_loads(env,
     assert "needs output_dir" in report["save_no_dir"]
     assert "already attached" in report["attach_twice"]
     assert "damaged flashckpt pointer" in report["damaged"]
-    assert (
-        report["ranks"].startswith("StateMismatchError")
-        and "saved by 2 processes" in report["ranks"]
-    )
+    assert report["setup"].startswith("StateMismatchError")
+    assert "saved by 1 processes under FSDP2; this run uses one process or DDP" in report["setup"]
+    assert report["fsdp1"].startswith("ConfigError") and "fsdp_version=2" in report["fsdp1"]
     assert report["strict"].startswith("ConfigError") and "strict" in report["strict"]
     assert report["gone"].startswith("CheckpointNotFoundError")
     assert "names step 99 of job accel" in report["gone"]

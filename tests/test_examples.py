@@ -209,3 +209,33 @@ def test_the_kubernetes_spare_node_runs_the_jobs_launch_line_with_spare():
             env[name].split(":")[0] == "flashckpt-controller-run1"
             and env[name].split(":")[1] in controller
         )
+
+
+@pytest.mark.slow
+def test_lightning_example_killed_mid_run_resumes_to_the_same_weights(example_env, tmp_path):
+    """examples/train_lightning.py (one process) SIGKILLs itself after step 35 (it saves every
+    10 steps); the same command run again resumes from last.ckpt (step 30, from shared memory)
+    and ends with the weights of a run that was never killed."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("torchdata")
+
+    def run(directory: Path, job: str, *args: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(EXAMPLES / "train_lightning.py"), "--dir", str(directory), *args]
+        return subprocess.Popen(cmd, env=example_env(job), cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def digest(out: str) -> str:
+        [line] = [ln for ln in out.splitlines() if ln.startswith("digest ")]
+        return line.split()[1]
+
+    whole = run(tmp_path / "whole", "ex-pl-ref")  # alongside: the machine has two cores
+    first = run(tmp_path / "run", "ex-pl", "--kill-at", "35")
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == -signal.SIGKILL, out[-4000:]
+    assert "killed after step 35" in out
+    second = run(tmp_path / "run", "ex-pl", "--kill-at", "35")  # the same command again
+    resumed, _ = second.communicate(timeout=120)
+    assert second.returncode == 0 and "resumed at step 30" in resumed, resumed[-4000:]
+    reference, _ = whole.communicate(timeout=120)
+    assert whole.returncode == 0, reference[-4000:]
+    assert digest(resumed) == digest(reference)
