@@ -78,6 +78,7 @@ async def serve(
     server.add_insecure_port(f"unix:{sock}")
     await server.start()
     os.chmod(sock, 0o600)
+    ours = os.stat(sock).st_ino  # at exit, removed only if still this agent's
     log.info("agent %s serving job %s on %s (shm %s, metrics %s)", service.agent_id, job, sock, shm_dir,
              metrics.port if metrics else "off")  # fmt: skip
 
@@ -152,5 +153,7 @@ async def serve(
     log.info("drained; exiting")
     if metrics:
         metrics.close()
-    sock.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a newer agent's socket at the path is left alone
+        if os.stat(sock).st_ino == ours:
+            sock.unlink()
     os.close(lock_fd)

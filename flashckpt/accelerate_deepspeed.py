@@ -49,7 +49,7 @@ class StepFiles(FlashCheckpointEngine):
     def commit(self, info: Any) -> bool:
         return True  # the caller saves self.files in its step
 
-    def _files_of(self, pointer: Pointer, save_dir: str) -> dict[str, Any]:
+    def files_of(self, pointer: Pointer, save_dir: str) -> dict[str, Any]:
         if self.restored is None or (pointer.job, pointer.step) != (self.ckpt.job, self.step):
             raise FlashCkptError(
                 f"{save_dir} holds DeepSpeed files of step {pointer.step} of job {pointer.job}, "

@@ -127,7 +127,7 @@ class FlashCheckpointEngine(CheckpointEngine):
         pointer = Pointer.read(path)
         if pointer is None:
             return torch.load(path, map_location=map_location, weights_only=False)
-        files = self._files_of(pointer, os.path.dirname(os.path.dirname(os.path.abspath(path))))
+        files = self.files_of(pointer, os.path.dirname(os.path.dirname(os.path.abspath(path))))
         try:
             return files[pointer.name]
         except KeyError:
@@ -137,7 +137,9 @@ class FlashCheckpointEngine(CheckpointEngine):
                 "ranks, which DeepSpeed checkpoints through flashckpt cannot be resharded to"
             ) from None
 
-    def _files_of(self, pointer: Pointer, save_dir: str) -> dict[str, Any]:
+    def files_of(self, pointer: Pointer, save_dir: str) -> dict[str, Any]:
+        """The files of the step ``pointer`` names (a subclass that keeps a step's files
+        elsewhere hands them back here)."""
         if self._restored is not None and self._restored[0] == pointer.step:
             return self._restored[1]
         ck = self.checkpointer(save_dir)
