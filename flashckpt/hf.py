@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import Checkpointer
+from .door_steps import wait_named_step_stored
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError, StateMismatchError
 from .format import pointer as pointer_file
 from .rng import RNG
@@ -267,18 +268,8 @@ class FlashTrainer:
             shutil.rmtree(replaced, ignore_errors=True)
 
     def _named_step_stored(self, ckpt: Checkpointer) -> None:
-        """Wait until the step the newest directory names is in the first tier. The agent
-        stores the newest step it finds in memory: a step saved soon after another would
-        otherwise leave the other's directory naming a step no tier ever held."""
-        if self.named is None or not ckpt.tiers:
-            return
         named, self.named = self.named, None
-        try:
-            ckpt.wait(named, tier=ckpt.tiers[0], timeout=ckpt.close_timeout)
-        except TimeoutError:
-            log.warning("step %d is not in %s after %.0fs; the directory naming it loads only "
-                        "while this node's memory holds it", named, ckpt._shown_tiers()[0],
-                        ckpt.close_timeout)  # fmt: skip
+        wait_named_step_stored(ckpt, named)
 
     # ---- DeepSpeed: flashckpt.deepspeed on the engine, once it exists --------------------
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:

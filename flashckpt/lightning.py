@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointer import Checkpointer
+from .door_steps import wait_named_step_stored
 from .errors import CheckpointNotFoundError, ConfigError, FlashCkptError
 from .format import pointer as pointer_file
 from .rng import RNG
@@ -220,12 +221,7 @@ class CheckpointIO(LightningCheckpointIO):
         for other, step in sorted(named.items(), key=lambda item: item[1]):
             if other == path or not os.path.lexists(other):
                 continue
-            try:
-                ckpt.wait(step, tier=ckpt.tiers[0], timeout=ckpt.close_timeout)
-            except TimeoutError:
-                log.warning("step %d is not in %s after %.0fs; %s loads only while this "
-                            "node's memory holds it", step, ckpt._shown_tiers()[0],
-                            ckpt.close_timeout, other)  # fmt: skip
+            wait_named_step_stored(ckpt, step)
 
     def _remove(self, strategy: Any | None, path: Any) -> None:
         """Lightning's ``remove_checkpoint``: the pointer (or Lightning's own file) goes; the
