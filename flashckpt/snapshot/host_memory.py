@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import config
@@ -62,10 +62,11 @@ def used(shm_dir: Path) -> int:
 
 
 @contextlib.contextmanager
-def reserving(shm_dir: Path, more: int, what: str, keep: int = 0) -> Iterator[None]:
+def reserving(shm_dir: Path, more: int, what: str,
+              keep: Callable[[], int] = lambda: 0) -> Iterator[None]:  # fmt: skip
     """Hold the node's lock while ``what`` allocates ``more`` bytes under ``shm_dir``;
-    ``HostMemoryCapError`` first if they do not fit the cap with ``keep`` bytes left over
-    (for what others need first). No cap: no lock."""
+    ``HostMemoryCapError`` first if they do not fit the cap with ``keep()`` bytes left over
+    (for what others need first; asked only under a cap). No cap: no lock, nothing asked."""
     limit = cap()
     if limit is None or more <= 0:
         yield
@@ -76,17 +77,17 @@ def reserving(shm_dir: Path, more: int, what: str, keep: int = 0) -> Iterator[No
         fcntl.flock(fd, fcntl.LOCK_EX)
         with contextlib.suppress(OSError):
             write_atomic(Path(shm_dir) / CAP_NAME, str(limit).encode())
-        now = used(shm_dir)
-        if now + more + keep > limit:
-            kept = (
-                f", and {_mib(keep)} are kept for the first slots of the node's other ranks"
-                if keep
+        now, kept = used(shm_dir), keep()
+        if now + more + kept > limit:
+            said = (
+                f", and {_mib(kept)} are kept for the first slots of the node's other ranks"
+                if kept
                 else ""
             )
             raise HostMemoryCapError(
                 f"{what} needs {_mib(more)} more, but this node's flashckpt memory holds "
                 f"{_mib(now)} of its {ENV} cap of {_mib(limit)} (slots of every rank and the "
-                f"replicas held for other nodes, in {shm_dir}){kept}; raise the cap, or give "
+                f"replicas held for other nodes, in {shm_dir}){said}; raise the cap, or give "
                 "the node fewer ranks or a smaller state"
             )
         yield

@@ -298,10 +298,15 @@ class SlotPair:
         caller owns the rank."""
         slot = self.slots[i]
         more = capacity - (slot.capacity if slot is not None else 0)
-        # A rank's second slot never takes the room of another rank's first: the node's ranks
-        # that have none yet are counted at this one's size.
-        others = max(0, config.local_world_size() - len(ranks_in(self.shm_dir, self.job)))
-        keep = capacity * others if i > 0 else 0
+
+        def keep() -> int:
+            # A rank's second slot never takes the room of another rank's first: the node's
+            # ranks that have none yet are counted at this one's size.
+            if i == 0:
+                return 0
+            others = config.local_world_size() - len(ranks_in(self.shm_dir, self.job))
+            return capacity * max(0, others)
+
         with host_memory.reserving(self.shm_dir, more, f"slot {i} of rank {self.rank}", keep):
             if slot is None:
                 slot = self.slots[i] = Slot.create(
