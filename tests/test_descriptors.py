@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from flashckpt.faults.descriptors import LAUNCHER_CLIENTS, store_capacity
-
-LOW = 256
 
 
 def _limit(soft: int, hard: int):
@@ -29,19 +28,26 @@ def test_the_soft_limit_is_raised_to_the_hard_limit():
 
 
 def test_the_launcher_refuses_a_job_its_recovery_store_cannot_take(shm_dir, tmp_path):
-    per_node = 64
-    assert store_capacity(LOW) < per_node + LAUNCHER_CLIENTS
+    # Enough descriptors for this node's own workers (the node check passes), not for the
+    # store's clients across 40 nodes: only the launcher that serves the store knows that.
+    nodes, per_node, limit = 40, 2, 512
+    clients = nodes * (per_node + LAUNCHER_CLIENTS)
+    assert store_capacity(limit) < clients
     script = tmp_path / "never.py"
     script.write_text("print('worker started')\n")
     launcher = Path(sys.executable).parent / "flashckpt-run"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = {**os.environ, "FLASHCKPT_RUN_DIR": str(tmp_path / "run"),
-           "FLASHCKPT_RESTART_POLICY": "in-process"}  # fmt: skip
-    proc = subprocess.run([str(launcher), "--standalone", f"--nproc-per-node={per_node}",
-                           str(script)], env=env, capture_output=True, text=True, timeout=120,
-                          preexec_fn=_limit(LOW, LOW))  # fmt: skip
+           "FLASHCKPT_RESTART_POLICY": "in-process", "FLASHCKPT_CONTROLLER_TOKEN": "a" * 32}  # fmt: skip
+    proc = subprocess.run([str(launcher), f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+                           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                           "--rdzv-id=wide", str(script)],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=_limit(limit, limit))  # fmt: skip
     assert proc.returncode == 1, proc.stderr
-    assert (f"flashckpt-run: the recovery store needs {per_node + LAUNCHER_CLIENTS} clients"
-            in proc.stderr), proc.stderr  # fmt: skip
-    assert f"open-file limit ({LOW}, the hard limit) takes {store_capacity(LOW)}" in proc.stderr
+    assert f"flashckpt-run: the recovery store needs {clients} clients" in proc.stderr, proc.stderr
+    assert f"open-file limit ({limit}, the hard limit) takes {store_capacity(limit)}" in proc.stderr
     assert "ulimit -n" in proc.stderr
     assert "worker started" not in proc.stdout + proc.stderr
