@@ -21,7 +21,8 @@ restores go into states of the same shapes (the targets). Per size, in interleav
 - saves: flashckpt ``save()`` (blocking; the checksums it leaves run untimed between calls),
   DCP ``async_save``, the blocking part (its ``state_dict()`` calls included, as a training
   loop makes them), DCP's ``save`` through ``flashckpt.dcp`` (blocking, its ``state_dict()``
-  calls included), and DLRover's flash checkpoint to memory; DCP's ``load`` through
+  calls included), its ``async_save`` through ``flashckpt.dcp`` (the blocking part: the copy
+  into shared memory), and DLRover's flash checkpoint to memory; DCP's ``load`` through
   ``flashckpt.dcp`` is a restore row;
 - from a node tier: flashckpt ``restore()`` from a ``file://`` tier (a step the agent stored
   once beforehand; the reading Checkpointer's shared memory holds nothing), verified, its
@@ -163,6 +164,33 @@ def dcp_flash(state: dict, target: dict):
     return save, lambda i: ck._sealer.drain(), load, ck
 
 
+def dcp_flash_async(state: dict):
+    """``dcp.async_save`` of the state dicts through a ``flashckpt.dcp.Writer``: the blocking
+    part (the ``state_dict()`` calls, and the copy into shared memory that ``Writer.stage``
+    makes); DCP's background save and the checksums run untimed between calls."""
+    import torch.distributed.checkpoint as dcp
+
+    import flashckpt.dcp
+
+    ck = Checkpointer(job=f"many-dcpa-{uuid.uuid4().hex[:6]}")
+    pending = []
+
+    def save(i: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pending.append(dcp.async_save(state_dicts(state), checkpoint_id=i + 2,
+                                          storage_writer=flashckpt.dcp.Writer(ck)))  # fmt: skip
+
+    def after(i: int) -> None:
+        pending.pop().result()
+        ck._sealer.drain()
+
+    for step in (-2, -1):  # the slots readied, as for save()
+        save(step)
+        after(step)
+    return save, after, ck
+
+
 def dlrover(state: dict, target: dict, where: str):
     """DLRover's flash checkpoint of ``state`` to memory, and its restore from memory into
     ``target`` (``load_checkpoint()``, then each tensor copied into the target's); None if it
@@ -246,6 +274,8 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
     flash_save, flash_drain, flash_load, flash_ck = dcp_flash(state, flash_target)
     methods["dcp_flash_save"] = (flash_save, flash_drain)
     methods["dcp_flash_load"] = (flash_load, None)
+    async_save, async_after, async_ck = dcp_flash_async(state)
+    methods["dcp_flash_async"] = (async_save, async_after)
     restored = {"restore": target, "tier_restore": target, "dcp_load": dcp_target,
                 "dcp_flash_load": flash_target}  # fmt: skip
     dl = dlrover(state, dl_target, f"{where}/dlrover")
@@ -270,6 +300,7 @@ def one_size(tensors: int, args: argparse.Namespace, where: str,
     ck.close()
     reader.close()
     flash_ck.close()
+    async_ck.close()
     for into in (state for key, state in restored.items() if key in methods):  # each restored
         assert all(map(torch.equal, local_tensors(into), local_tensors(state)))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -296,6 +327,7 @@ ROWS = [  # (heading, the baseline of the rows, {key: label}); ratio = baseline'
         "save": "flashckpt save(), blocking",
         "dcp_async": "DCP async_save, blocking part",
         "dcp_flash_save": "DCP save through flashckpt.dcp, blocking",
+        "dcp_flash_async": "DCP async_save through flashckpt.dcp, blocking part",
         "dlrover": "DLRover 0.6.1 flash checkpoint to memory",
     }),
     ("from a node tier, its files in the page cache:", "readinto", {

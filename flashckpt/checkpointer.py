@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -111,6 +112,7 @@ class Checkpointer:
         self._walker = StateWalker(chunk_size)  # the state's walk, compiled once it is steady
         self._restore_walker = StateWalker(chunk_size)  # the same, of what restores go into
         self._pending: Future | None = None  # a device snapshot still being copied
+        self._staged: StagedSnapshot | None = None  # copied, its step not yet known (stage)
         self._background = ThreadPoolExecutor(1, thread_name_prefix="flashckpt")
         # Made now: in overlapped mode it watches optimizer steps from the first one on.
         self._copier = DeviceCopier(self._rt, self.overlap)
@@ -133,11 +135,27 @@ class Checkpointer:
         """Snapshot ``state`` as ``step``. Returns once the snapshot no longer depends on the
         caller (CPU tensors) or once the device copies are queued (CUDA, overlapped mode)."""
         config.check_step(step)
-        began = time.perf_counter()
+        self._stepped(step)
+        self._save_as(step, state)
+
+    def stage(self, state: Mapping[str, Any]) -> StagedSnapshot:
+        """Copy ``state`` into a slot as ``save`` does, before its step is known: nothing
+        reads it until ``commit(step)`` on what this returns makes it that step's snapshot
+        (DCP's ``async_save`` learns the step after its staging). One staged snapshot at a
+        time: a later ``save`` or ``stage`` drops one not committed yet."""
+        staged = StagedSnapshot(self)
+        self._save_as(None, state, staged)
+        return staged
+
+    def _stepped(self, step: int) -> None:
         if self._stepping_again:  # the first step after a restore is done: training again
             self._stepping_again = False
             if self._events is not None:
                 self._events.record("stepped", rank=self.rank, step=step)
+
+    def _save_as(self, step: int | None, state: Mapping[str, Any],
+                 staged: StagedSnapshot | None = None) -> None:  # fmt: skip
+        began = time.perf_counter()
         # No collection until what the save made is freed again (its frame is gone): at
         # thousands of tensors a collection set off midway would find all of it alive. The
         # snapshot's checksums start after that too: the sealer's thread would otherwise take
@@ -145,13 +163,16 @@ class Checkpointer:
         with self._lock, paused_gc():
             after: list[Callable[[], None]] = []
             try:
-                self._save(step, state, began, after)
+                self._drop_staged("a later save")
+                self._save(step, state, began, after, staged)
             finally:  # a published snapshot is sealed and told of whatever failed after it
                 for then in after:
                     then()
 
-    def _save(self, step: int, state: Mapping[str, Any], began: float,
-              after: list[Callable[[], None]]) -> None:  # fmt: skip
+    def _save(self, step: int | None, state: Mapping[str, Any], began: float,
+              after: list[Callable[[], None]], staged: StagedSnapshot | None) -> None:  # fmt: skip
+        """Snapshot ``state`` as ``step``; as ``staged`` where the step is None (its manifest
+        is sized for the longest step, and written once the step is known)."""
         self._check_open()
         keys, replicas = self._replicas(state)
         walked = self._walker.walk(state, keys, self._layout)
@@ -159,24 +180,30 @@ class Checkpointer:
         if self._entries_json[0] is not layout:
             self._entries_json = (layout, encode_entries(layout.entries))
         manifest = Manifest(
-            self.job, self.rank, step, walked.tree, layout.entries, layout.data_len,
+            self.job, self.rank, config.MAX_STEP if step is None else step, walked.tree, layout.entries, layout.data_len,
             chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
             lineage=self._lineage or Lineage(),
             replicas=replicas if layout.replicated else None,
             incarnation=self._incarnation,
         )  # fmt: skip
-        raw = manifest.to_json(self._entries_json[1], walked.tree_json)
+        if staged is None:
+            raw = manifest.to_json(self._entries_json[1], walked.tree_json)
+            raw_len = len(raw)
+        else:
+            raw, raw_len = b"", manifest.json_size(self._entries_json[1], walked.tree_json)
+            staged.manifest, staged.texts = manifest, (self._entries_json[1], walked.tree_json)
+            staged.layout = layout
         self._connect_agent()
-        need = required_capacity(layout.data_len, len(raw), layout.n_chunks)
+        need = required_capacity(layout.data_len, raw_len, layout.n_chunks)
         self._settle()
         self._pair.claim()
         beat = self._beat()
         if beat is not None:
             beat.phase(Phase.SAVE, step)
-        capacity = need + max(_MANIFEST_HEADROOM, len(raw))
+        capacity = need + max(_MANIFEST_HEADROOM, raw_len)
         self._prep.ready_target(need, capacity)
         try:
-            self._snapshot(step, state, walked, manifest, raw, (need, capacity), after)
+            self._snapshot(step, state, walked, manifest, raw, (need, capacity), after, staged)
         finally:  # other slots (a spare too, once needed) once the copy is queued
             self._prep.the_rest_in_background(capacity, self._device_of(walked.tensors))
         if beat is not None:
@@ -184,10 +211,11 @@ class Checkpointer:
         self._save_stall += time.perf_counter() - began
         self._saves += 1
 
-    def _snapshot(self, step: int, state: Mapping[str, Any], walked: Walked, manifest: Manifest,
-                  raw: bytes, size: tuple[int, int],
-                  after: list[Callable[[], None]]) -> None:  # fmt: skip
-        """Copy ``state`` into a free slot and publish it (CUDA: once its copies land)."""
+    def _snapshot(self, step: int | None, state: Mapping[str, Any], walked: Walked,
+                  manifest: Manifest, raw: bytes, size: tuple[int, int],
+                  after: list[Callable[[], None]], staged: StagedSnapshot | None) -> None:  # fmt: skip
+        """Copy ``state`` into a free slot and publish it (CUDA: once its copies land); or,
+        ``staged``, hand the slot to it once the copies land, unpublished."""
         need, capacity = size
         in_use = self._pair.in_use
         slot = self._pair.acquire_for_write(need)
@@ -207,8 +235,8 @@ class Checkpointer:
         if slot is None:
             self.skipped += 1
             log.warning(
-                "step %d not snapshotted: readers (the agent storing steps) hold rank %d's "
-                "slots but the newest, which is never overwritten", step, self.rank,
+                "step %s not snapshotted: readers (the agent storing steps) hold rank %d's "
+                "slots but the newest, which is never overwritten", _named(step), self.rank,
             )  # fmt: skip
             return
         self._sealer.cancel(slot)
@@ -220,19 +248,23 @@ class Checkpointer:
                 deferred = self._copier.deferrable(state.values())
                 pending = self._copier.copy(plan.device_pairs(walked.tensors), deferred)
             plan.host_copy(walked.tensors)
-            if pending is not None and self.overlap:
+            if pending is not None and self.overlap and staged is None:
                 self._pending = self._background.submit(
                     self._publish_after, pending, slot, manifest, raw
                 )
                 return
             if pending is not None:
                 pending.wait()
+            if staged is not None:  # readable once committed; sealing goes on meanwhile
+                staged.slot, self._staged = slot, staged
+                self._sealer.release()
+                return
             self._publish(slot, manifest, raw, after)
         except BaseException:
             self._abandon(slot)
             raise
 
-    def _newest_if_stored(self, step: int, need: int) -> Slot | None:
+    def _newest_if_stored(self, step: int | None, need: int) -> Slot | None:
         """The one slot the host-memory cap leaves this rank, to write ``step`` over the
         snapshot it holds, once every tier holds that one; else None, the save skipped."""
         ready = self._pair.ready()
@@ -245,9 +277,9 @@ class Checkpointer:
                    f"not every tier holds step {held.step} yet" if self._agent else
                    "the job names no tier to store it in")  # fmt: skip
             self._capped_skips.warn(
-                "step %d not snapshotted: the node's host-memory cap (FLASHCKPT_HOST_MEMORY) "
+                "step %s not snapshotted: the node's host-memory cap (FLASHCKPT_HOST_MEMORY) "
                 "leaves rank %d one slot, and %s; raise the cap for two slots a rank",
-                step, self.rank, why,
+                _named(step), self.rank, why,
             )  # fmt: skip
         return slot
 
@@ -291,6 +323,7 @@ class Checkpointer:
             capacity = required_capacity(layout.data_len, raw_len, layout.n_chunks) + max(
                 _MANIFEST_HEADROOM, raw_len
             )
+            self._drop_staged("restore()")  # staged from the state before: never its step
             self._settle()
             self._pair.claim()
             beat = self._beat()
@@ -374,6 +407,7 @@ class Checkpointer:
             remove = True
             try:
                 with self._waiting(self.close_timeout):  # close_timeout bounds it: no hang
+                    self._drop_staged("close()")
                     self._settle()
                     self._prep.wait(raise_errors=False)  # every slot sized before deciding
                     if self._last_saved is None:
@@ -479,6 +513,33 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise FlashCkptError("this Checkpointer is closed; create a new one")
+
+    def _commit(self, staged: StagedSnapshot, step: int) -> None:
+        """Publish ``staged`` as ``step`` (see ``stage``)."""
+        config.check_step(step)
+        with self._lock:
+            if self._staged is not staged:
+                raise FlashCkptError(
+                    f"step {step} of rank {self.rank} was staged but not snapshotted: "
+                    f"{staged.dropped_by or 'the Checkpointer was closed'} came first; wait "
+                    "for one save (e.g. dcp.async_save's future) before the next"
+                )
+            self._staged = None
+            slot, manifest = staged.slot, dataclasses.replace(staged.manifest, step=step)
+            self._stepped(step)
+            try:
+                self._publish(slot, manifest, manifest.to_json(*staged.texts))
+            except BaseException:
+                self._abandon(slot)
+                raise
+
+    def _drop_staged(self, by: str) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.dropped_by = by
+            log.warning("rank %d: a staged snapshot never committed is dropped by %s", self.rank,
+                        by)  # fmt: skip
+            self._abandon(staged.slot)
 
     def _settle(self) -> None:
         """Wait for the CUDA snapshot in flight; re-raise its error."""
@@ -614,3 +675,34 @@ class Checkpointer:
         return self._agent.wait_persisted(
             self.rank, self._last_saved, self.generation, self.close_timeout, **shape
         )
+
+
+def _named(step: int | None) -> str:
+    return "(staged)" if step is None else str(step)
+
+
+class StagedSnapshot:
+    """A snapshot copied by ``Checkpointer.stage``, unreadable until ``commit(step)``."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self._checkpointer = checkpointer
+        self.slot: Slot | None = None  # None: the save was skipped (see Checkpointer.skipped)
+        self.manifest: Manifest | None = None
+        self.texts: tuple[str, str] = ("", "")  # the manifest's entries and tree, as JSON
+        self.layout: Layout | None = None  # the same object while the state's structure is
+        self.dropped_by: str | None = None
+
+    def commit(self, step: int) -> None:
+        """Make the snapshot ``step``'s: readable, checksummed and told to the agent as a
+        ``save(step, ...)`` is. A skipped save commits nothing. FlashCkptError when a later
+        save, or ``close()``, dropped it first."""
+        if self.slot is not None or self.dropped_by is not None:
+            self._checkpointer._commit(self, step)
+
+    def drop(self) -> None:
+        """Give the slot back unpublished (a save whose step turned out not to be wanted)."""
+        ck = self._checkpointer
+        with ck._lock:
+            if ck._staged is self:
+                ck._staged, self.dropped_by = None, "drop()"
+                ck._abandon(self.slot)

@@ -15,14 +15,19 @@ source (its own memory, a peer's, then the tiers), every chunk verified.
 The step is the ``checkpoint_id``: an int, or a name ending in one (``"step-1200"``,
 ``"ckpt/step_1200"``); ``Reader`` without one loads the newest step every rank can get.
 
-What DCP's planner plans stays DCP's: the state dict is flattened by its planner as for any
-storage, and ``Reader`` answers ``read_metadata`` with the saved step's tensors (global size,
-dtype) and objects, so DCP checks what it loads against what was saved as it does for files.
-The bytes themselves move the flashckpt way: each rank saves what it holds (DCP's plan would
-have one rank write a replicated tensor for all; here every rank keeps its own copy in its own
-memory, so a restart at the same size reads nothing across the network), and a load fills the
-target state in place, resharding DTensor shards where the world size or the mesh changed, as
-``Checkpointer.restore`` does.
+``dcp.async_save`` stages through the ``Writer``: the snapshot is copied into shared memory
+before ``async_save`` returns (no staging copy of DCP's own), and DCP's background save then
+commits it as the ``checkpoint_id``'s step. ``dcp.save`` plans every tensor with DCP's planner
+in the caller's thread first, as it does for any storage.
+
+Each rank's snapshot holds its state flattened as DCP's default planner flattens it, and a
+description of it (each tensor's global size and dtype, every other value an object):
+``Reader`` answers ``read_metadata`` with it, so DCP checks what it loads against what was
+saved as it does for files. The bytes themselves move the flashckpt way: each rank saves what
+it holds (DCP would have one rank write a replicated tensor for all; here every rank keeps its
+own copy in its own memory, so a restart at the same size reads nothing across the network),
+and a load fills the target state in place, resharding DTensor shards where the world size or
+the mesh changed, as ``Checkpointer.restore`` does.
 
 Values that are not tensors or plain scalars are pickled by flashckpt's save and refused at
 load unless the Checkpointer allows pickles (``allow_pickle``): what is read back is untrusted.
@@ -30,11 +35,13 @@ load unless the Checkpointer allows pickles (``allow_pickle``): what is read bac
 
 from __future__ import annotations
 
-import dataclasses
 import io
+import itertools
 import json
 import math
 import re
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,15 +64,17 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, StagedSnapshot
 from .errors import CheckpointNotFoundError, ConfigError, ManifestError
 
-__all__ = ["Reader", "Writer", "step_of"]
+__all__ = ["Reader", "Writer", "describe", "flatten", "step_of"]
 
 STATE = "dcp"  # the saved state: {STATE: DCP's flattened state dict, METADATA: what it holds}
 METADATA = "dcp_metadata"
+_STAGED = "flashckpt.dcp.staged"  # the stand-in ``Writer.stage`` hands DCP: which snapshot
 _TRAILING_STEP = re.compile(r"(\d+)$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -99,14 +108,23 @@ def _done(value: Any) -> torch.futures.Future:
     return future
 
 
-class Writer(StorageWriter):
-    """DCP's storage writer that saves through ``checkpointer`` (see the module doc)."""
+class Writer(StorageWriter, AsyncStager):
+    """DCP's storage writer that saves through ``checkpointer`` (see the module doc).
+
+    ``dcp.async_save`` stages through it: the snapshot is copied into shared memory before
+    ``async_save`` returns, and DCP's planning then runs in its background thread over a
+    one-key stand-in, which commits the staged snapshot as the ``checkpoint_id``'s step.
+    """
+
+    _synchronize_after_execute = False  # ``stage`` returns once the copy is done
 
     def __init__(self, checkpointer: Checkpointer):
         super().__init__()
         self.checkpointer = checkpointer
         self.step: int | None = None
         self.is_coordinator = False
+        self._staged: dict[int, StagedSnapshot] = {}  # by the token ``stage`` hands DCP
+        self._tokens = itertools.count()
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.step = _step(checkpoint_id, "Writer")
@@ -114,16 +132,26 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``: snapshot ``state_dict`` now (its step is not known yet), and
+        hand DCP's background save a stand-in naming the staged snapshot."""
+        for token in [t for t, s in self._staged.items() if s.dropped_by is not None]:
+            del self._staged[token]  # an earlier save DCP gave up before writing
+        token = next(self._tokens)
+        self._staged[token] = _stage(self.checkpointer, flatten(state_dict))
+        return {_STAGED: token}
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is done."""
+
+    def close(self) -> None:
+        """Nothing to free: the Checkpointer owns the slots."""
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Before DCP drops replicated items from all but one rank: what this rank holds.
-        return dataclasses.replace(plan, storage_data=_describe(plan.items))
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        held: dict[str, dict] = {}
-        for plan in plans:
-            held.update(plan.storage_data or {})
-        text = json.dumps(held, sort_keys=True)
-        return [dataclasses.replace(plan, storage_data=text) for plan in plans]
+        return plans
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
@@ -135,14 +163,24 @@ class Writer(StorageWriter):
                 f"DefaultSavePlanner or a subclass of it (this planner, {type(planner).__name__}, "
                 "keeps none)"
             )
+        staged = self._staged.pop(state[_STAGED], None) if len(state) == 1 and _STAGED in state \
+            else None  # fmt: skip
+        if staged is None and self._staged:
+            raise ConfigError(
+                "flashckpt.dcp.Writer: the planner changed what dcp.async_save staged (the key "
+                f"{_STAGED!r}); use DCP's DefaultSavePlanner with dcp.async_save, or dcp.save"
+            )
         if self.step is None:
+            if staged is not None:
+                staged.drop()
             raise ConfigError(
                 "flashckpt.dcp.Writer: no step to save as; pass it as the checkpoint_id, e.g. "
                 "dcp.save(state, checkpoint_id=step, storage_writer=writer)"
             )
-        held = plan.storage_data if isinstance(plan.storage_data, str) else json.dumps(
-            _describe(plan.items), sort_keys=True)  # fmt: skip
-        self.checkpointer.save(self.step, {STATE: dict(state), METADATA: held})
+        step, self.step = self.step, None  # the next save names its own
+        if staged is None:  # dcp.save: the state as DCP's planner flattened it
+            staged = _stage(self.checkpointer, dict(state))
+        staged.commit(step)
         results = [WriteResult(index=item.index, size_in_bytes=_size(item), storage_data=None)
                    for item in plan.items]  # fmt: skip
         return _done(results)
@@ -153,6 +191,86 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return step_of(checkpoint_id) is not None
+
+    def __reduce__(self) -> Any:
+        raise ConfigError(
+            "flashckpt.dcp.Writer saves into this process's Checkpointer and cannot be sent to "
+            "another process: use dcp.async_save's default thread executor, not "
+            "AsyncCheckpointerType.PROCESS"
+        )
+
+
+# What a Checkpointer's saves through DCP last described: (the snapshot layout it was made
+# for, the flattened keys, the description). Unchanged from one save to the next, it is not
+# made again: at thousands of tensors that costs a good part of the copy.
+_DESCRIBED: weakref.WeakKeyDictionary[Checkpointer, tuple[Any, tuple[str, ...], str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _stage(checkpointer: Checkpointer, flat: dict[str, Any]) -> StagedSnapshot:
+    """Stage ``flat`` (a state DCP flattened) with its description, made only when the keys
+    or the snapshot's layout changed since the last save."""
+    keys = tuple(flat)
+    last = _DESCRIBED.get(checkpointer)
+    text = last[2] if last is not None and last[1] == keys else describe(flat)
+    staged = checkpointer.stage({STATE: flat, METADATA: text})
+    if last is not None and last[1] == keys and staged.layout is not last[0]:
+        fresh = describe(flat)  # the same keys, other tensors: sizes or dtypes changed
+        if fresh != text:
+            staged.drop()
+            text, staged = fresh, checkpointer.stage({STATE: flat, METADATA: fresh})
+    _DESCRIBED[checkpointer] = (staged.layout, keys, text)
+    return staged
+
+
+def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` flattened as DCP's default planner flattens it: mappings and the lists that
+    hold a tensor or a mapping are walked, their keys joined by dots; tuples and every other
+    value are leaves."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, items: Any) -> None:
+        for key, value in items:
+            fqn = prefix + (key if type(key) is str else str(key))
+            if type(value) is dict or (  # the cheap test first: most containers are dicts
+                not isinstance(value, torch.Tensor) and isinstance(value, Mapping)
+            ):
+                walk(fqn + ".", value.items())
+            elif isinstance(value, list) and not _leaf_list(value):
+                walk(fqn + ".", enumerate(value))
+            elif fqn in flat:
+                raise ConfigError(f"flashckpt.dcp.Writer: two values flatten to the key {fqn!r}")
+            else:
+                flat[fqn] = value
+
+    walk("", state.items())
+    return flat
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
+def _leaf_list(values: list) -> bool:
+    for v in values:
+        if type(v) in _SCALARS:  # the common case (an optimizer's "params"): at once
+            continue
+        if isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and not _leaf_list(v)):
+            return False
+    return True
+
+
+def describe(flat: Mapping[str, Any]) -> str:
+    """What a flattened state holds, as DCP's metadata tells it: each tensor's global size
+    and dtype (a DTensor's whole tensor), every other value an object."""
+    held: dict[str, dict] = {}
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            held[fqn] = {"t": "tensor", "size": list(value.shape),
+                         "dtype": str(value.dtype).removeprefix("torch.")}  # fmt: skip
+        else:
+            held[fqn] = {"t": "bytes"}
+    return json.dumps(held, separators=(",", ":"))
 
 
 class Reader(StorageReader):
@@ -221,20 +339,6 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return step_of(checkpoint_id) is not None
-
-
-def _describe(items: list) -> dict[str, dict]:
-    """What a rank's plan holds, by name: each tensor's global size and dtype, or an object."""
-    held: dict[str, dict] = {}
-    for item in items:
-        fqn = item.index.fqn
-        if item.type == WriteItemType.BYTE_IO:
-            held[fqn] = {"t": "bytes"}
-        else:
-            data = item.tensor_data
-            held[fqn] = {"t": "tensor", "size": list(data.size),
-                         "dtype": str(data.properties.dtype).removeprefix("torch.")}  # fmt: skip
-    return held
 
 
 def _size(item: Any) -> int:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ROOT, torchrun
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import flashckpt
@@ -101,3 +102,64 @@ def test_a_damaged_description_is_refused_with_the_step_named():
                 json.dumps({"w": {"t": "pickle"}})):  # fmt: skip
         with pytest.raises(ManifestError, match="step 5: the DCP description it holds is damaged"):
             fdcp._metadata(bad, 5)
+
+
+def test_the_writer_flattens_as_dcp_does():
+    """``async_save`` stages before DCP's planner runs: the Writer flattens the state itself,
+    key for key and value for value as DCP's default planner does."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    state = {
+        "model": {f"l{i}.w": torch.full((2,), float(i)) for i in range(5)},
+        "optim": {"state": {0: {"exp_avg": torch.ones(2), "step": torch.tensor(3.0)}},
+                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "tuple": (1, torch.ones(1)), "nested": [[1, 2], [torch.ones(1)], [[3]]],
+        "ints": [1, 2, 3], 7: "seven", "empty": {}, "none": None,
+    }  # fmt: skip
+    ours, theirs = fdcp.flatten(state), flatten_state_dict(state)[0]
+    assert list(ours) == list(theirs) and all(ours[k] is theirs[k] for k in ours)
+    with pytest.raises(ConfigError, match="two values flatten to the key 'a.b'"):
+        fdcp.flatten({"a": {"b": 1}, "a.b": 2})
+
+
+class Renaming(DefaultSavePlanner):
+    """A planner that renames every key, as some wrappers do."""
+
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        renamed = {f"wrapped.{k}": v for k, v in state_dict.items()}
+        super().set_up_planner(renamed, *args, **kwargs)
+
+
+def test_async_save_stages_the_copy_and_the_step_comes_from_its_background(
+    shm_dir, run_dir, tmp_path
+):
+    """``dcp.async_save`` returns once the snapshot is copied: what training writes after it
+    is not in the step. The step's description follows the state when a tensor's size
+    changes under the same key. A reused Writer asked to save with no ``checkpoint_id`` is
+    refused rather than saving as the step before; it cannot be sent to another process, and
+    a planner that renames what it staged is named."""
+    import pickle
+
+    with flashckpt.Checkpointer(job="async") as ck:
+        writer = fdcp.Writer(ck)
+        state = {"w": torch.full((4,), 1.0), "n": 1}
+        pending = dcp.async_save(state, checkpoint_id="step-1", storage_writer=writer)
+        state["w"].fill_(-1.0)  # the next step's update, while the background save runs
+        pending.result(timeout=60)
+        state = {"w": torch.full((6,), 2.0), "n": 2}  # grown under the same key
+        dcp.async_save(state, checkpoint_id=2, storage_writer=writer).result(timeout=60)
+        got = {"w": torch.zeros(4), "n": 0}
+        dcp.load(got, checkpoint_id=1, storage_reader=fdcp.Reader(ck))
+        assert got["w"].tolist() == [1.0] * 4 and got["n"] == 1
+        with pytest.raises(CheckpointException, match="no step to save as"):
+            dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        with pytest.raises(ConfigError, match="cannot be sent to another process"):
+            pickle.dumps(writer)
+        with pytest.raises(CheckpointException, match="the planner changed what dcp.async_save"):
+            dcp.async_save(state, checkpoint_id=3, storage_writer=writer,
+                           planner=Renaming()).result(timeout=60)  # fmt: skip
+        got = {"w": torch.zeros(6), "n": 0}
+        dcp.load(got, storage_reader=fdcp.Reader(ck))
+        assert got["w"].tolist() == [2.0] * 6 and got["n"] == 2
+        with pytest.raises(CheckpointException, match="Size mismatch"):
+            dcp.load({"w": torch.zeros(4), "n": 0}, storage_reader=fdcp.Reader(ck))

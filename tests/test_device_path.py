@@ -144,6 +144,25 @@ def test_a_blocking_save_returns_once_every_copy_has_landed(fake):
         assert_restores(ck, 1, expected)
 
 
+def test_a_staged_save_of_device_tensors_returns_once_its_copies_land_even_overlapped(fake):
+    """``stage`` (``dcp.async_save``'s way in) is not overlapped: the step is committed later,
+    from another thread, and the copy must be whole by then whatever training did since."""
+    model, opt = model_and_opt()
+    state = {"model": model, "optim": opt}
+    with Checkpointer(job="staged") as ck:
+        side = started(fake, state, ck)
+        train_step(model, opt, 1)
+        expected = copy_of(state)
+        side.hold()
+        staged = []
+        assert blocked_for(lambda: staged.append(ck.stage(state)), side.release) >= 0.25
+        train_step(model, opt, 2)  # after the copy: not in the staged snapshot
+        assert 1 not in published(ck)
+        threading.Thread(target=staged[0].commit, args=(1,)).start()
+        assert ck.wait(1, timeout=10) == 1
+        assert_restores(ck, 1, expected)
+
+
 def test_a_state_of_dicts_or_wrappers_overlaps_like_modules_and_optimizers(fake):
     """The optimizers seen stepping decide what only a step writes, whatever holds their
     tensors: state dicts, Stateful wrappers, detached views."""
