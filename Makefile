@@ -30,8 +30,8 @@ demo: $(STAMP)
 
 # Two processes share the machine's cores; the tests that judge by the clock then run alone.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not serial"
-	$(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not serial" --durations=25
+	$(PY) -m pytest -q -m serial --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
