@@ -40,6 +40,8 @@ import itertools
 import json
 import math
 import re
+import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -74,6 +76,7 @@ __all__ = ["Reader", "Writer", "describe", "flatten", "step_of"]
 
 STATE = "dcp"  # the saved state: {STATE: DCP's flattened state dict, METADATA: what it holds}
 METADATA = "dcp_metadata"
+_CALLER_GRACE_S = 0.05
 _STAGED = "flashckpt.dcp.staged"  # the stand-in ``Writer.stage`` hands DCP: which snapshot
 _TRAILING_STEP = re.compile(r"(\d+)$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -125,9 +128,25 @@ class Writer(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self._staged: dict[int, StagedSnapshot] = {}  # by the token ``stage`` hands DCP
         self._tokens = itertools.count()
+        self._returned = threading.Event()  # the caller of dcp.async_save is on its way back
+        self._returned.set()
+        self._stager: int | None = None  # the thread that called ``stage`` last
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        if not self._returned.is_set() and threading.get_ident() != self._stager:
+            # DCP's background save starts while the training thread is still in async_save:
+            # it lets that thread return first, instead of taking the interpreter lock from it
+            # for a switch interval (5 ms) or two. At most 50 ms late, once a save.
+            self._returned.wait(_CALLER_GRACE_S)
+            time.sleep(0.001)  # out of DCP's wrappers around async_save
         self.step = _step(checkpoint_id, "Writer")
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """False (``stage`` returns once the copy is done). DCP asks last thing before
+        ``async_save`` returns, so the background save knows its caller is leaving."""
+        self._returned.set()
+        return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -139,6 +158,8 @@ class Writer(StorageWriter, AsyncStager):
             del self._staged[token]  # an earlier save DCP gave up before writing
         token = next(self._tokens)
         self._staged[token] = _stage(self.checkpointer, flatten(state_dict))
+        self._stager = threading.get_ident()
+        self._returned.clear()
         return {_STAGED: token}
 
     def synchronize_staging(self) -> None:
