@@ -39,6 +39,7 @@ from .snapshot.steady import StateWalker, Walked
 log = logging.getLogger(__name__)
 
 _MANIFEST_HEADROOM = 1 << 20
+_STAGED_CLOSE_WAIT_S = 30.0  # how long close() waits for a staged snapshot to be committed
 
 
 class Checkpointer:
@@ -142,7 +143,8 @@ class Checkpointer:
         """Copy ``state`` into a slot as ``save`` does, before its step is known: nothing
         reads it until ``commit(step)`` on what this returns makes it that step's snapshot
         (DCP's ``async_save`` learns the step after its staging). One staged snapshot at a
-        time: a later ``save`` or ``stage`` drops one not committed yet."""
+        time: a later ``save``, ``stage`` or ``restore`` drops one not committed yet;
+        ``close()`` waits up to 30 s for its commit first."""
         staged = StagedSnapshot(self)
         self._save_as(None, state, staged)
         return staged
@@ -180,7 +182,8 @@ class Checkpointer:
         if self._entries_json[0] is not layout:
             self._entries_json = (layout, encode_entries(layout.entries))
         manifest = Manifest(
-            self.job, self.rank, config.MAX_STEP if step is None else step, walked.tree, layout.entries, layout.data_len,
+            self.job, self.rank, config.MAX_STEP if step is None else step, walked.tree,
+            layout.entries, layout.data_len,
             chunk_size=self.chunk_size, created_at=time.time(), world_size=group.world_size(),
             lineage=self._lineage or Lineage(),
             replicas=replicas if layout.replicated else None,
@@ -401,6 +404,9 @@ class Checkpointer:
         """Finish the snapshot in flight, wait for the tiers to commit the last step, stop
         background work and free this rank's slots (or leave them to the agent if a tier is
         still behind after ``close_timeout`` seconds)."""
+        staged = self._staged
+        if staged is not None:  # dcp.async_save's background commits it in a moment
+            staged.settled.wait(min(self.close_timeout, _STAGED_CLOSE_WAIT_S))
         with self._lock:
             if self._closed:
                 return
@@ -527,16 +533,22 @@ class Checkpointer:
             self._staged = None
             slot, manifest = staged.slot, dataclasses.replace(staged.manifest, step=step)
             self._stepped(step)
+            after: list[Callable[[], None]] = []
             try:
-                self._publish(slot, manifest, manifest.to_json(*staged.texts))
+                self._publish(slot, manifest, manifest.to_json(*staged.texts), after)
             except BaseException:
                 self._abandon(slot)
                 raise
+            finally:
+                staged.settled.set()
+                for then in after:
+                    then()
 
     def _drop_staged(self, by: str) -> None:
         staged, self._staged = self._staged, None
         if staged is not None:
             staged.dropped_by = by
+            staged.settled.set()
             log.warning("rank %d: a staged snapshot never committed is dropped by %s", self.rank,
                         by)  # fmt: skip
             self._abandon(staged.slot)
@@ -691,6 +703,7 @@ class StagedSnapshot:
         self.texts: tuple[str, str] = ("", "")  # the manifest's entries and tree, as JSON
         self.layout: Layout | None = None  # the same object while the state's structure is
         self.dropped_by: str | None = None
+        self.settled = threading.Event()  # committed or dropped
 
     def commit(self, step: int) -> None:
         """Make the snapshot ``step``'s: readable, checksummed and told to the agent as a
@@ -705,4 +718,5 @@ class StagedSnapshot:
         with ck._lock:
             if ck._staged is self:
                 ck._staged, self.dropped_by = None, "drop()"
+                self.settled.set()
                 ck._abandon(self.slot)

@@ -187,6 +187,9 @@ class Writer(StorageWriter, AsyncStager):
         staged = self._staged.pop(state[_STAGED], None) if len(state) == 1 and _STAGED in state \
             else None  # fmt: skip
         if staged is None and self._staged:
+            for pending in self._staged.values():
+                pending.drop()
+            self._staged.clear()
             raise ConfigError(
                 "flashckpt.dcp.Writer: the planner changed what dcp.async_save staged (the key "
                 f"{_STAGED!r}); use DCP's DefaultSavePlanner with dcp.async_save, or dcp.save"

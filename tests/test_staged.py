@@ -49,7 +49,7 @@ def test_a_staged_snapshot_is_read_only_once_committed_and_then_as_a_save_of_tha
 
 def test_a_later_save_or_close_drops_a_staged_snapshot_and_its_commit_says_so(shm_dir, caplog):
     caplog.set_level(logging.WARNING, logger="flashckpt")
-    with flashckpt.Checkpointer(job="drop") as ck:
+    with flashckpt.Checkpointer(job="drop", close_timeout=2) as ck:  # close() waits 2 s
         first = ck.stage(state_of(1.0))
         ck.save(5, state_of(5.0))
         assert "dropped by a later save" in caplog.text
@@ -91,3 +91,18 @@ def test_a_trainer_killed_between_stage_and_commit_loses_only_the_uncommitted_st
     want = 2 if when == "after" else 1
     assert step == want and torch.equal(got["w"], torch.full((64, 64), float(want)))
     assert got["step"] == want
+
+
+def test_close_waits_for_a_commit_on_its_way(shm_dir, run_dir, tmp_path):
+    """A loop that ends with ``dcp.async_save`` and ``close()``, not waiting for the save's
+    future: its background commit lands before close() drops anything, and the step is
+    stored."""
+    import threading
+
+    tier = f"file://{tmp_path / 'tier'}"
+    with flashckpt.Checkpointer(tier, job="late") as ck:
+        ck.save(1, state_of(1.0))
+        staged = ck.stage(state_of(2.0))
+        threading.Timer(0.5, staged.commit, (2,)).start()
+    step, got = restored("late", tier)
+    assert step == 2 and got["step"] == 2
