@@ -701,7 +701,7 @@ class StagedSnapshot:
         self.slot: Slot | None = None  # None: the save was skipped (see Checkpointer.skipped)
         self.manifest: Manifest | None = None
         self.texts: tuple[str, str] = ("", "")  # the manifest's entries and tree, as JSON
-        self.layout: Layout | None = None  # the same object while the state's structure is
+        self.layout: Layout | None = None  # one object while the state keeps its structure
         self.dropped_by: str | None = None
         self.settled = threading.Event()  # committed or dropped
 

@@ -119,8 +119,6 @@ class Writer(StorageWriter, AsyncStager):
     one-key stand-in, which commits the staged snapshot as the ``checkpoint_id``'s step.
     """
 
-    _synchronize_after_execute = False  # ``stage`` returns once the copy is done
-
     def __init__(self, checkpointer: Checkpointer):
         super().__init__()
         self.checkpointer = checkpointer
