@@ -85,6 +85,7 @@ class AgentService(pb_grpc.AgentServicer):
             self._unregistered.add((job.name, request.rank, request.pid))
             log.info("job %s: rank %d known from its notice (pid %d); asked to register again "
                      "for its tiers", job.name, request.rank, request.pid)  # fmt: skip
+        job.trainers.told(request.rank)
         if request.final:
             job.trainers.close(request.rank, (request.generation, request.step))
         job.wake()

@@ -22,6 +22,9 @@ LATE_GRACE_S = 30.0
 class Trainers:
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, this incarnation's
     closing: set[int] = field(default_factory=set)  # ranks whose trainer sent its final step
+    # ranks whose trainer (this incarnation's process) has told a snapshot since it registered:
+    # its restore, which may read other ranks' slots, is behind it
+    saved: set[int] = field(default_factory=set)
     world_size: int = 0  # ranks of the whole job (WORLD_SIZE); 0: unknown
     local_world_size: int = 0  # ranks of the job on this node (LOCAL_WORLD_SIZE); 0: unknown
     # the newest (generation, step) a closing trainer asked to flush past throttles
@@ -37,6 +40,7 @@ class Trainers:
             # or about to be killed by the launcher) no longer count.
             self.pids.clear()
             self.closing.clear()
+            self.saved.clear()
         elif pid not in self.pids.values():
             # A new process: ranks whose process is gone were the earlier incarnation's. After
             # a restart this node may run other ranks than before (the rendezvous assigns
@@ -44,9 +48,18 @@ class Trainers:
             for old in [r for r, p in self.pids.items() if r != rank and not pid_alive(p)]:
                 del self.pids[old]
                 self.closing.discard(old)
+                self.saved.discard(old)
         self.world_size, self.local_world_size = max(0, world_size), max(0, local_world_size)
+        if self.pids.get(rank) != pid:
+            self.saved.discard(rank)  # a new process: its restore may be ahead of it
         self.pids[rank] = pid
         self.closing.discard(rank)  # a restarted trainer takes its rank back
+
+    def told(self, rank: int) -> None:
+        """Rank ``rank``'s registered trainer told a snapshot: it has restored (or had
+        nothing to restore) and trains."""
+        if rank in self.pids:
+            self.saved.add(rank)
 
     def close(self, rank: int, step: tuple[int, int]) -> None:
         if not self.closing:
@@ -91,10 +104,17 @@ class Trainers:
 
     def stale(self, with_slots: Collection[int], owned: Callable[[int], bool]) -> set[int]:
         """Ranks with slots that the live job does not run on this node and no live process
-        owns: left behind by an earlier run with more ranks here, or by a dead rank."""
-        if not self.pids:
-            return set()
+        owns: left behind by an earlier run with more ranks here, or by a dead rank.
+
+        None before every rank the live job runs here has registered and saved: until then a
+        restore may still read them. A job restarted at another world size reshards from the
+        old ranks' snapshots in this node's memory, and ranks that moved to another node
+        restore from a peer that reads them here."""
         all_known = 0 < self.local_world_size <= len(self.pids)
+        if not self.pids or not set(self.pids) <= self.saved:
+            return set()
+        if self.local_world_size and not all_known:
+            return set()
         return {
             r
             for r in set(with_slots) - set(self.pids)
