@@ -10,8 +10,9 @@ the snapshot is in shared memory; the node's agent persists it to the tiers. A r
 (this node's memory first, then the tiers), verified, where the Trainer would load its own
 files, so the run goes on as one that never stopped. One step holds:
 
-- the model (a DDP wrapper as its module), the optimizer, the LR scheduler's state, the
-  GradScaler's where there is one, and this process's random generators (``flashckpt.RNG``);
+- the model (a DDP wrapper as its module; under FSDP2 this process's shards), the optimizer,
+  the LR scheduler's state, the GradScaler's where there is one, and this process's random
+  generators (``flashckpt.RNG``);
 - under DeepSpeed, DeepSpeed's own checkpoint instead of the model and optimizer: the
   engine's ``save_checkpoint`` goes through ``flashckpt.deepspeed.attach`` (its model states,
   ZeRO partitions and scheduler), the rest riding along as its ``client_state``.
@@ -38,7 +39,8 @@ engine exists, to attach flashckpt to that engine before the Trainer loads into 
 and ``create_scheduler`` still call the class's own; a subclass's own ``_save_checkpoint`` or
 loads no longer run for flashckpt's directories (``attach`` logs a warning).
 
-Refused at ``attach``: FSDP, XLA and SageMaker model parallelism, ``save_only_model``,
+Refused at ``attach``: FSDP1 (FSDP2, ``fsdp_config={"version": 2}``, the default, is taken),
+XLA and SageMaker model parallelism, ``save_only_model``,
 ``load_best_model_at_end`` (the best directory holds no weights to load) and ``push_to_hub``
 (a checkpoint directory holds pointers, not a model to push). A step restores only with the
 number of processes, and the DeepSpeed or plain set-up, that saved it.
@@ -214,7 +216,7 @@ class FlashTrainer:
             step,
             {
                 "model": tr.model_wrapped,  # a DDP wrapper: stored once per replica group
-                "optimizer": tr.optimizer,
+                "optimizer": _optimizer(tr),
                 "scheduler": tr.lr_scheduler.state_dict(),
                 "scaler": None if scaler is None else scaler.state_dict(),
                 "rng": RNG().state_dict(),  # a value: set where the Trainer sets its own
@@ -338,7 +340,7 @@ class FlashTrainer:
             )
         state: dict[str, Any] = {
             "model": tr.model_wrapped,  # filled in place
-            "optimizer": tr.optimizer,
+            "optimizer": _optimizer(tr),
             "scheduler": None,  # None: the snapshot's value
             "scaler": None,
             "rng": None,
@@ -414,6 +416,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _optimizer(trainer: Any) -> Any:
+    """The optimizer a step holds. Under FSDP2 the one inside Accelerate's wrapper: a fresh
+    one holds no state until its first step, and the wrapper's own step would hand the
+    restored state to a GradScaler before the restore."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return trainer.optimizer
+
+
 def _own_scheduler_state(trainer: Any) -> dict | None:
     """The Trainer's LR scheduler's state, unless DeepSpeed's engine keeps it (a scheduler of
     the DeepSpeed config)."""
@@ -448,8 +459,15 @@ def _check_supported(trainer: Any) -> None:
             f"transformers 5 (tested with 5.23), this is transformers {transformers.__version__}"
         )
     args = trainer.args
+    fsdp = None
+    if getattr(trainer, "is_fsdp_enabled", False):
+        fsdp = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2:
+        raise ConfigError(
+            "flashckpt.hf supports FSDP2, not FSDP1, whose flat parameters no other set-up can "
+            'read: give TrainingArguments fsdp_config={"version": 2} (its default)'
+        )
     refused = {
-        "FSDP": bool(getattr(trainer, "is_fsdp_enabled", False)),
         "XLA devices": bool(getattr(trainer, "is_fsdp_xla_enabled", False))
         or str(getattr(args, "device", "")).startswith("xla"),
         "SageMaker model parallelism": _sagemaker_mp(),
@@ -457,7 +475,7 @@ def _check_supported(trainer: Any) -> None:
     for what, used in refused.items():
         if used:
             raise ConfigError(
-                f"flashckpt.hf supports the Trainer on one process, under DDP and under "
+                f"flashckpt.hf supports the Trainer on one process, under DDP, FSDP2 and "
                 f"DeepSpeed, not with {what}: unset it, or keep the Trainer's own checkpoints"
             )
     options = {

@@ -3,7 +3,9 @@
 A real ``Trainer`` trains a 2-layer GPT-2 (dropout on) built in code, on 40 synthetic
 sequences whose first token is the sample's index, for 14 steps of 2 sequences per process
 (10 steps an epoch on 2 processes), saving every 5 steps and keeping 2 checkpoints. SETUP is
-``ddp`` (``TrainingArguments(use_cpu=True)``: DDP over gloo under torchrun) or
+``ddp`` (``TrainingArguments(use_cpu=True)``: DDP over gloo under torchrun), ``fsdp2``
+(``fsdp="full_shard"`` with ``fsdp_version: 2``; Accelerate turns FSDP on only for GPUs, so
+the Trainer's Accelerator is told to use it, and ``fully_shard`` runs on CPU with gloo) or
 ``zero2``/``zero3`` (the Trainer's ``deepspeed=`` config on CPU, DS_ACCELERATOR=cpu).
 
 ``first``: the reference, a plain Trainer without flashckpt saving its own checkpoints
@@ -77,9 +79,12 @@ def arguments(output_dir: Path, **extra) -> TrainingArguments:
         save_steps=SAVE_EVERY, save_total_limit=2, learning_rate=3e-3, warmup_steps=3, weight_decay=0.01,
         seed=7, report_to=[], disable_tqdm=True, logging_steps=1000,
     )  # fmt: skip
-    if SETUP == "ddp":
+    if SETUP in ("ddp", "fsdp2"):
         common["use_cpu"] = True
-    else:
+    if SETUP == "fsdp2":
+        common["fsdp"] = True
+        common["fsdp_config"] = {"version": 2}
+    elif SETUP != "ddp":
         common["accelerator_config"] = {"use_configured_state": True}
         common["deepspeed"] = {
             "train_micro_batch_size_per_gpu": "auto",
@@ -92,9 +97,26 @@ def arguments(output_dir: Path, **extra) -> TrainingArguments:
     return TrainingArguments(**{**common, **extra})
 
 
+class CpuFsdpTrainer(Trainer):
+    """The Trainer with FSDP2 on CPU: Accelerate's state drops an FSDP plugin on a CPU-only
+    machine, so it is told to keep it (both states: AcceleratorState copies PartialState's)."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        from accelerate import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        super().create_accelerator_and_postprocess()
+        PartialState().distributed_type = DistributedType.FSDP
+        self.accelerator.state.distributed_type = DistributedType.FSDP
+        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            **self.args.fsdp_plugin_args
+        )
+        self.is_fsdp_enabled = True
+
+
 def trainer(output_dir: Path, seed: int, steps: dict, kill_at: int | None = None,
             evaluate: bool = False, **extra):  # fmt: skip
-    if SETUP != "ddp":
+    if SETUP.startswith("zero"):
         # As TrainingArguments does for the next Trainer of a process, less the distributed
         # state set up above: Accelerate takes a DeepSpeed config only in a fresh state.
         from accelerate.state import AcceleratorState
@@ -105,8 +127,9 @@ def trainer(output_dir: Path, seed: int, steps: dict, kill_at: int | None = None
                         bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = GPT2LMHeadModel(config)
     data = Sequences()
-    tr = Trainer(model=model, args=arguments(output_dir, **extra), train_dataset=data,
-                 eval_dataset=data if evaluate else None)  # fmt: skip
+    kind = CpuFsdpTrainer if SETUP == "fsdp2" else Trainer
+    tr = kind(model=model, args=arguments(output_dir, **extra), train_dataset=data,
+              eval_dataset=data if evaluate else None)  # fmt: skip
 
     def seen(module, args, kwargs, output):
         step = steps.setdefault(tr.state.global_step + 1, {})
@@ -139,13 +162,17 @@ def tensors_in(value):
 def result(tr, steps: dict, flash=None) -> dict:
     if SETUP == "ddp":
         params = [p for _, p in tr.model.named_parameters()]
+    elif SETUP == "fsdp2":  # gathered whole from the shards (a collective)
+        params = [p.full_tensor() for _, p in tr.model.named_parameters()]
     else:  # gathered whole from the ZeRO partitions (a collective)
         from deepspeed.utils import safe_get_full_fp32_param
 
         params = [safe_get_full_fp32_param(p) for p in tr.model_wrapped.module.parameters()]
     # Every tensor of this process's optimizer state (under ZeRO, its partition of it).
-    optimizer = tr.model_wrapped.optimizer if SETUP != "ddp" else tr.optimizer
+    optimizer = tr.model_wrapped.optimizer if SETUP.startswith("zero") else tr.optimizer
     moments = list(tensors_in(optimizer.state_dict()))
+    if SETUP == "fsdp2":
+        moments = [m.full_tensor() if hasattr(m, "full_tensor") else m for m in moments]
     return {
         "steps": {str(k): v for k, v in sorted(steps.items())},
         "params": tensors_digest(params),
@@ -203,7 +230,7 @@ def resume_errors() -> dict:
         if RANK == 0:
             shutil.copytree(DIR / "run" / f"checkpoint-{LAST}", directory)
             body = {"job": os.environ["FLASHCKPT_JOB"], "step": LAST, "world_size": 2,
-                    "deepspeed": SETUP != "ddp", **change}  # fmt: skip
+                    "deepspeed": SETUP.startswith("zero"), **change}  # fmt: skip
             (directory / "flashckpt.pointer").write_bytes(pointer.dumps("HF", body))
         dist.barrier()
         tr = trainer(DIR / name, 1, {})

@@ -1,6 +1,6 @@
 """The Hugging Face ``Trainer`` through ``flashckpt.hf.attach``: real Trainer runs of a tiny
-GPT-2 on two gloo processes under torchrun (``tests/hf_trainer.py``), one under DDP and one
-under DeepSpeed ZeRO-3 on CPU. In each, a run killed with SIGKILL from outside mid-run is
+GPT-2 on two gloo processes under torchrun (``tests/hf_trainer.py``): under DDP, FSDP2 and
+DeepSpeed ZeRO-3 on CPU. In each, a run killed with SIGKILL from outside mid-run is
 resumed through ``trainer.train(resume_from_checkpoint=...)`` and ends as a plain Trainer
 that never stopped: the same batches, losses and learning rates at every step after the
 checkpoint, the same parameters, optimizer state and random draws, bit for bit.
@@ -136,6 +136,22 @@ def test_ddp_run_killed_mid_epoch_resumes_from_memory_as_if_never_stopped(env, t
     assert "already attached" in refused["twice"]
 
 
+def test_fsdp2_run_killed_mid_epoch_resumes_its_shards_from_memory(env, tmp_path):
+    """FSDP2 (``fsdp_version: 2``): each process's step holds its shards of the model and of
+    AdamW's moments. Killed after step 8, resumed from checkpoint-5 in memory by processes
+    whose model comes from another seed: every step after it, and the whole parameters and
+    moments at the end, are the uninterrupted run's."""
+    killed_mid_run("fsdp2", tmp_path, env, kill_at=8)
+    torchrun(2, TRAINER, "fsdp2", "resume", tmp_path, env={**env, "RESUME": "true"}, timeout=240)
+    for ref, run in zip(results(tmp_path, "first-ref"), results(tmp_path, "resume-run"),
+                        strict=True):  # fmt: skip
+        assert (run["restored_step"], run["restored_from"]) == (5, "shared memory")
+        assert_as_uninterrupted(ref, run, 5)
+    assert pointer(tmp_path / "run" / "checkpoint-14") == {
+        "job": "hf", "step": 14, "world_size": 2, "deepspeed": False
+    }  # fmt: skip
+
+
 @requires("deepspeed", "'flashckpt[deepspeed]'")
 def test_deepspeed_zero3_killed_resumes_a_named_directory_from_the_tier(
     env, shm_dir, run_dir, tmp_path
@@ -215,3 +231,25 @@ def test_the_example_killed_after_a_checkpoint_resumes_to_the_same_weights(env, 
     assert sorted(p.name for p in (tmp_path / "broken").glob("checkpoint-*")) == [
         "checkpoint-15", "checkpoint-20"
     ]  # fmt: skip
+
+
+def test_fsdp1_is_refused_at_attach_with_the_setting_that_takes_fsdp2(tmp_path):
+    """FSDP1's flat parameters are refused, naming FSDP2's setting. Accelerate cannot build an
+    FSDP1 plugin without a GPU, so the Trainer's state is given one that says version 1."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import flashckpt.hf
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=1, vocab_size=16, n_positions=4))
+    tr = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                     report_to=[]))  # fmt: skip
+    tr.accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    )
+    tr.is_fsdp_enabled = True
+    with pytest.raises(flashckpt.hf.ConfigError, match="supports FSDP2, not FSDP1") as refused:
+        flashckpt.hf.attach(tr)
+    assert 'fsdp_config={"version": 2}' in str(refused.value)
+    assert "_save_checkpoint" not in vars(tr)  # nothing was replaced

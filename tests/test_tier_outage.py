@@ -172,10 +172,11 @@ def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
     try:
         ck.save(1, {"t": torch.ones(1024)})
         assert ck.wait(1, tier=url, timeout=60) == 1
-        ck.save(2, {"t": torch.ones(64 << 20)})  # 256 MiB: the agent is killed while it uploads
-        wait_for(lambda: any(t.size for t in leftovers_of(url)), timeout=60, interval=0.002,
-                 what="the upload to hold bytes")  # fmt: skip
         pid = int((run_dir / "crash.pid").read_text())
+        ck.save(2, {"t": torch.ones(64 << 20)})  # 256 MiB: the agent is killed while it uploads
+        # The agent runs a few ms at a time and is looked at stopped: killed once its upload
+        # holds bytes, never after it ended, however loaded the machine is.
+        stopped_once_it_holds(pid, lambda: any(t.size for t in leftovers_of(url)))
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), timeout=30,
                  what="the agent to die")  # fmt: skip
@@ -207,6 +208,18 @@ def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
     finally:
         ck._agent = None  # its agent is dead: close() has nothing to wait for
         ck.close()
+
+
+def stopped_once_it_holds(pid: int, holds, timeout: float = 60.0) -> None:
+    """Let process ``pid`` run in slices of about 2 ms, stopped (SIGSTOP) between them,
+    until ``holds()`` is true; it is left stopped."""
+    deadline = time.monotonic() + timeout
+    os.kill(pid, signal.SIGSTOP)
+    while not holds():
+        assert time.monotonic() < deadline, "the upload held no bytes"
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+        os.kill(pid, signal.SIGSTOP)
 
 
 def leftovers_of(url: str) -> list:
