@@ -442,3 +442,47 @@ def test_an_agent_stalled_past_the_node_timeout_never_leaves_two_claimants_of_a_
     assert all(is_dead(pid) for _, pid in originals)
     assert not any(f"done {rank} pid={pid} " in run.logs[1] for rank, pid in originals)
     assert sorted(restores(run.events[2])) == [2, 3], explain(run)
+
+
+LEAVER = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    from pathlib import Path
+    from flashckpt.faults.heartbeat import Heartbeat, read
+    from flashckpt.faults.inprocess import Rounds
+    page = Path(sys.argv[2]) / f"rank-{os.environ['RANK']}.heartbeat"
+    hb = Heartbeat(page, page.with_suffix(".stacks"))
+    rounds = Rounds(sys.argv[1], "gloo", 60.0)
+    rounds.join()
+    for _ in range(3):
+        dist.barrier()
+    deadline = time.monotonic() + 30
+    while not read(page).issued and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("in the round", sum(read(page).issued.values()), flush=True)
+    rounds.leave(finished=True)
+    print("left", len(read(page).issued), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_its_round_shows_no_collective_counts(store, tmp_path):
+    """A rank's page carries its collective counts while it is in a round, none once it has
+    left: a rank waiting for the next round is never read as the one the ranks still blocked
+    in the old round wait for (its old counts would be behind theirs)."""
+    _, address = store
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", NAMESPACE_ENV: "leave",
+               "FLASHCKPT_NODE": f"node{rank}", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", LEAVER, address, str(tmp_path)],
+                                      env=env, cwd=ROOT / "tests", stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        lines = out.splitlines()
+        assert lines[0].startswith("in the round ") and int(lines[0].split()[-1]) > 0, out
+        assert lines[1] == "left 0", out

@@ -542,6 +542,10 @@ class Rounds:
         if self._sampler is not None:
             self._sampler.stop()
             self._sampler = None
+        # This rank is in no collective of the round any more: its page shows no counts. Left
+        # there, the counts of a group it left would make it, waiting for the next round to
+        # form, look like the rank that a rank still blocked in the old round waits for.
+        heartbeat.record_issued({})
         if self._watch is not None:
             aborted = self._watch.stop()
             self._watch = None
