@@ -210,15 +210,18 @@ def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
         ck.close()
 
 
-def stopped_once_it_holds(pid: int, holds, timeout: float = 60.0) -> None:
-    """Let process ``pid`` run in slices of about 2 ms, stopped (SIGSTOP) between them,
-    until ``holds()`` is true; it is left stopped."""
+def stopped_once_it_holds(pid: int, holds, timeout: float = 120.0) -> None:
+    """Let process ``pid`` run in slices as long as a look at it takes (at least 2 ms),
+    stopped (SIGSTOP) between them, until ``holds()`` is true; it is left stopped."""
     deadline = time.monotonic() + timeout
     os.kill(pid, signal.SIGSTOP)
-    while not holds():
+    while True:
+        began = time.monotonic()
+        if holds():
+            return
         assert time.monotonic() < deadline, "the upload held no bytes"
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.002)
+        time.sleep(max(0.002, time.monotonic() - began))
         os.kill(pid, signal.SIGSTOP)
 
 

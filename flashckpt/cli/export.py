@@ -26,8 +26,9 @@ import asyncio
 from dataclasses import asdict
 from pathlib import Path
 
+from .. import config
 from ..errors import CheckpointNotFoundError, ConfigError, PickleNotAllowedError
-from ..restore.export import DEFAULT_MAX_SHARD_SIZE, FORMATS, export, parse_size
+from ..restore.export_formats import DEFAULT_MAX_SHARD_SIZE, FORMATS
 from .common import (
     OK,
     SHM,
@@ -50,7 +51,7 @@ HELP = "write a stored step as torch, safetensors or DCP files that load without
 
 def _size_arg(text: str) -> int:
     try:
-        return parse_size(text)
+        return config.parse_size(text, "a shard size")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
             if total > progress.total:
                 progress.add_total(total - progress.total)
             progress.update(done - progress.done)
+
+        from ..restore.export import export  # torch: only when exporting
 
         try:
             result = export(url, args.to, args.format, job, args.step, args.select,

@@ -16,9 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FlashCkptError, SharedMemoryError
 from ..format import layout, tier_io
@@ -27,6 +25,9 @@ from ..format.manifest import Manifest
 from ..format.slot import Slot
 from ..snapshot.slots import N_SLOTS, Snapshot, ranks_in, read_locked, slot_path
 from .common import SHM, Problem, Progress, describe_error, shown
+
+if TYPE_CHECKING:
+    import torch
 
 Key = tuple[int, int]
 """A stored step: (generation, step)."""

@@ -21,9 +21,7 @@ import asyncio
 import contextlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..errors import ConfigError, FlashCkptError, RankBusyError
@@ -53,6 +51,9 @@ from .common import (
     step_arg,
 )
 from .locations import Key, committed_in, job_at, newest_key, open_location
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "restore"
 HELP = "copy a stored step, verified, into a directory, a tier or this node's shared memory"

@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ManifestError
+from . import dtypes
 from .kept import Kept
 from .lineage import Lineage
 from .sealed import SealedEntries, bare_entries
@@ -28,11 +28,8 @@ a Megatron block replicated across its own ranks); older manifests are read as o
 them (incarnation 0)."""
 DEFAULT_CHUNK_SIZE = 4 * 2**20
 
-# Every dtype torch can hand us, by its short name ("float32", "float8_e4m3fn", ...).
-_DTYPES: dict[str, torch.dtype] = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
-}
-_UNSUPPORTED_DTYPES = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+if TYPE_CHECKING:
+    import torch
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,8 +38,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return dtypes.torch_dtypes()[name]
     except KeyError:
+        import torch
+
         raise ManifestError(
             f"dtype {name!r} is not known to this torch {torch.__version__}; "
             "restore with the torch version that saved it"
@@ -387,19 +386,6 @@ def _is_int(value: Any) -> bool:
     return type(value) is int  # bool is an int to isinstance, never to a manifest
 
 
-@functools.cache
-def _numpy_dtypes() -> frozenset[str]:
-    """Dtypes an ``ndarray`` entry may have: those numpy can view."""
-    out = set()
-    for name, dtype in _DTYPES.items():
-        try:
-            torch.empty(0, dtype=dtype).numpy()
-        except (TypeError, RuntimeError):
-            continue
-        out.add(name)
-    return frozenset(out)
-
-
 class _Checker:
     """Turns a decoded manifest document into a Manifest, or raises ManifestError."""
 
@@ -524,15 +510,15 @@ class _Checker:
         kind, name = doc["kind"], doc["dtype"]
         if kind not in _KINDS:
             raise self.fail(f"{what}: kind must be one of {list(_KINDS)}, found {_show(kind)}")
-        if not isinstance(name, str) or name not in _DTYPES or name in _UNSUPPORTED_DTYPES:
+        itemsize = dtypes.itemsize(name) if isinstance(name, str) else None
+        if itemsize is None or name in dtypes.UNSUPPORTED:
             raise self.fail(f"{what}: dtype {_show(name)} is not a dtype flashckpt stores")
-        itemsize = _DTYPES[name].itemsize
         shape = self.shape(doc["shape"], f"{what}: shape")
         offset = self.int_(doc["offset"], f"{what}: offset")
         nbytes = self.int_(doc["nbytes"], f"{what}: nbytes")
         if kind == "pickle" and (name != "uint8" or len(shape) != 1):
             raise self.fail(f"{what}: a pickle entry is 1-d uint8, found {name} {list(shape)}")
-        if kind == "ndarray" and name not in _numpy_dtypes():
+        if kind == "ndarray" and name not in dtypes.NUMPY:
             raise self.fail(f"{what}: an ndarray entry cannot have dtype {name}")
         if math.prod(shape) * itemsize != nbytes:
             raise self.fail(
@@ -655,6 +641,17 @@ class _Checker:
                 raise self.fail(f"tree: {_show(node)} is not a tree node")
 
     def scalar(self, node: dict) -> None:
+        tag, value = node.get("t"), node.get("v")
+        if tag in ("dtype", "device") and "torch" not in sys.modules:
+            # A reader without torch (the node agent) checks the name's form; a restore,
+            # which has torch, decodes it.
+            if tag == "dtype":
+                known = isinstance(value, str) and dtypes.itemsize(value) is not None
+            else:
+                known = isinstance(value, str) and 0 < len(value) <= 64
+            if not known:
+                raise self.fail(f"tree: {_show(node)} does not decode (no such {tag})")
+            return
         try:
             decode_scalar(node)
         except (ManifestError, KeyError, TypeError, ValueError, RuntimeError) as exc:
@@ -674,9 +671,10 @@ def encode_scalar(value: Any) -> Any:
         return int(value)  # IntEnum and friends decay to int; subclasses are not kept
     if isinstance(value, float):
         return value if math.isfinite(value) else {"t": "float", "v": repr(value)}
-    if isinstance(value, torch.dtype):
+    torch = sys.modules.get("torch")  # without torch loaded, no value is one of its types
+    if torch is not None and isinstance(value, torch.dtype):
         return {"t": "dtype", "v": dtype_name(value)}
-    if isinstance(value, torch.device):
+    if torch is not None and isinstance(value, torch.device):
         return {"t": "device", "v": str(value)}
     if isinstance(value, bytes):
         return {"t": "bytes", "v": value.hex()}
@@ -690,6 +688,8 @@ def decode_scalar(node: dict) -> Any:
     if tag == "dtype":
         return dtype_from_name(node["v"])
     if tag == "device":
+        import torch
+
         return torch.device(node["v"])
     if tag == "bytes":
         return bytes.fromhex(node["v"])

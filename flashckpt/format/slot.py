@@ -27,10 +27,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptSlotError, SharedMemoryError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +110,21 @@ class Slot:
         self._mm = mm
         self.writable = writable
         self.capacity = len(mm)
-        # A uint8 tensor over the whole mapping: torch copies go straight into shared memory.
-        with warnings.catch_warnings():  # read-only mappings: torch warns, but we never write
-            warnings.simplefilter("ignore", UserWarning)
-            self.buf: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8)
+        self._buf: Any = _LAZY
         self._view = memoryview(mm)
+
+    @property
+    def buf(self) -> torch.Tensor | None:
+        """A uint8 tensor over the whole mapping, so torch copies go straight into shared
+        memory; None once unmapped. Made on first use: a reader of headers and bytes alone
+        (the node agent) never loads torch."""
+        if self._buf is _LAZY:
+            import torch
+
+            with warnings.catch_warnings():  # read-only mappings: torch warns, we never write
+                warnings.simplefilter("ignore", UserWarning)
+                self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._buf
 
     # ---- opening ---------------------------------------------------------------------
     @classmethod
@@ -199,9 +211,7 @@ class Slot:
         mm = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._unmap()
         self._mm, self.capacity = mm, size
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self._buf = _LAZY
         self._view = memoryview(mm)
 
     def _reset(self) -> None:
@@ -227,12 +237,12 @@ class Slot:
         mm = mmap.mmap(self._fd, capacity, flags=mmap.MAP_SHARED | (_POPULATE if prefault else 0))
         self._unmap()
         self._mm, self.capacity = mm, capacity
-        self.buf = torch.frombuffer(mm, dtype=torch.uint8)
+        self._buf = _LAZY
         self._view = memoryview(mm)
         struct.pack_into("<q", mm, _CAPACITY_OFF, capacity)
 
     def _unmap(self) -> None:
-        self.buf = None
+        self._buf = None
         try:
             self._view.release()
             self._mm.close()
@@ -393,6 +403,7 @@ class Slot:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_LAZY = object()  # Slot.buf not made yet
 
 
 def required_capacity(data_len: int, manifest_len: int, n_chunks: int) -> int:

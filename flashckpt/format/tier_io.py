@@ -10,8 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from .. import config
 from ..errors import CheckpointNotFoundError, ConfigError, ManifestError, ObjectExistsError
@@ -21,6 +20,9 @@ from .lineage import Lineage, newest
 from .manifest import Entry, Manifest
 from .retention import Common, Held, kept
 from .slot import align
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,8 @@ async def _read_bounded(tier, key: str, source: str, what: str, cap: int) -> byt
 def allocate(nbytes: int, where: str) -> torch.Tensor:
     """``nbytes`` of memory for bytes a tier's metadata sized (checked against the bytes that
     exist first): if it cannot be had, the copy is treated as corrupt, not the process."""
+    import torch
+
     try:
         return torch.empty(nbytes, dtype=torch.uint8)
     except (MemoryError, RuntimeError) as exc:

@@ -60,11 +60,10 @@ import torch
 
 from .. import config
 from ..errors import ConfigError
+from .export_formats import DEFAULT_MAX_SHARD_SIZE, FORMATS
 from .loader import committed, load_from, resolve_job
 from .sources import run_with_tier
 
-FORMATS = ("torch", "safetensors", "dcp", "megatron")
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB", transformers' unit and default
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 # The dtypes the safetensors format names (its spec), by torch name.
 SAFETENSORS_DTYPES = frozenset((
