@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,9 @@ def test_the_agent_reads_a_manifest_with_dtype_leaves_without_loading_torch(
     with Checkpointer(url, job="dt") as ck:
         ck.save(1, state)
         assert ck.wait(1, tier=url, timeout=60) == 1
+        agent = int((run_dir / "dt.pid").read_text())
+        maps = Path(f"/proc/{agent}/maps").read_text()
+        assert "libtorch" not in maps  # the agent that persisted it never loaded torch
     path = tmp_path / "tier" / layout.manifest_key("dt", 1, 0)
     code = (
         "import sys\n"
