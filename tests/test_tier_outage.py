@@ -173,9 +173,11 @@ def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
         ck.save(1, {"t": torch.ones(1024)})
         assert ck.wait(1, tier=url, timeout=60) == 1
         pid = int((run_dir / "crash.pid").read_text())
+        # Stopped before the step exists, the agent then runs in short slices and is looked at
+        # stopped: killed once its upload holds bytes, never after it ended, however loaded
+        # the machine is.
+        os.kill(pid, signal.SIGSTOP)
         ck.save(2, {"t": torch.ones(64 << 20)})  # 256 MiB: the agent is killed while it uploads
-        # The agent runs a few ms at a time and is looked at stopped: killed once its upload
-        # holds bytes, never after it ended, however loaded the machine is.
         stopped_once_it_holds(pid, lambda: any(t.size for t in leftovers_of(url)))
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), timeout=30,
@@ -206,6 +208,8 @@ def test_what_a_killed_agent_was_uploading_is_removed_after_the_grace_period(
                           run_dir=run_dir / "fresh") as fresh:  # fmt: skip
             assert fresh.restore(restored) == 1 and bool((restored["t"] == 1).all())
     finally:
+        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+            os.kill(int((run_dir / "crash.pid").read_text()), signal.SIGKILL)  # never left stopped
         ck._agent = None  # its agent is dead: close() has nothing to wait for
         ck.close()
 
