@@ -106,7 +106,7 @@ class Trainers:
         """Ranks with slots that the live job does not run on this node and no live process
         owns: left behind by an earlier run with more ranks here, or by a dead rank.
 
-        None before every rank the live job runs here has registered and saved: until then a
+        Empty until every rank the live job runs here has registered and saved: until then a
         restore may still read them. A job restarted at another world size reshards from the
         old ranks' snapshots in this node's memory, and ranks that moved to another node
         restore from a peer that reads them here."""
