@@ -101,9 +101,18 @@ def test_workers_that_never_ask_are_stopped_at_half_the_budget_and_a_whole_step_
     assert took < 8 + 3, f"the launchers took {took:.1f}s of an 8s budget"
     assert "stopped" not in "".join(run.logs)
     steps = []
+    stopping = [[e for e in run.events[n] if e["kind"] == "preempt_stopping_workers"]
+                for n in range(2)]  # fmt: skip
+    stops = [[e["time"] for e in es] for es in stopping]
+    stopped = {pid for es in stopping for e in es for pid in e["pids"]}
+    assert any(stops), stops  # they never stop by themselves
+    first_stop = min(t for ts in stops for t in ts)
     for node in range(2):
-        kinds = [e["kind"] for e in run.events[node]]
-        assert "preempt_stopping_workers" in kinds, kinds  # they never stop by themselves
+        if not stops[node]:  # the other node's notice came first: its stop ended this worker
+            asked = [e["time"] for e in run.events[node] if e["kind"] == "preempt_asked"]
+            assert first_stop < asked[0] + 8 / 2, (stops, asked)
+        failed = [e for e in run.events[node] if e["kind"] == "worker_failed"]
+        assert not [e for e in failed if e["pid"] in stopped], failed  # stopped, not failed
         said = preempted(run.events[node])
         assert said["why"] == f"file {notice}" and not said["missing"], said
         # Its rank saved at least to its last mark (stopped between a save and its mark, one

@@ -251,6 +251,16 @@ def remove_dead(shm_dir: Path, job: str) -> list[int]:
     return gone
 
 
+def forget(shm_dir: Path, job: str, pids: list[int]) -> list[int]:
+    """Remove the pages of ``job``'s workers ``pids`` (about to be stopped on purpose, as a
+    preemption does) and return their ranks: a worker stopped so has not failed, and neither
+    this node's watch nor the job's controller is to act on its exit."""
+    ranks = [rank for rank, beat in pages(shm_dir, job) if beat.pid in pids]
+    for rank in ranks:
+        heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)
+    return ranks
+
+
 def read(path: Path) -> Beat | None:
     """The page's current beat, or None if there is no valid page (missing, foreign, torn)."""
     try:

@@ -36,6 +36,7 @@ from typing import Any
 
 from .. import config, preempt_mark
 from ..errors import ConfigError
+from . import heartbeat
 from .events import EventLog
 from .proc import parent_and_state
 
@@ -190,6 +191,9 @@ class Preemption:
             return
         log.warning("workers %s still run at half the preemption budget: stopping them", pids)
         self.events.record("preempt_stopping_workers", pids=pids)
+        # Stopped on purpose: their exits are no failures for the controller to act on (it
+        # would kill the other nodes' workers, which their own launchers stop in a moment).
+        heartbeat.forget(self.shm_dir, self.job, pids)
         _end(pids, grace=min(3.0, max(0.5, (self.deadline - time.monotonic()) / 4)))
 
     def finish(self) -> int | None:
