@@ -195,7 +195,7 @@ class Checkpointer:
         else:
             raw, raw_len = b"", manifest.json_size(self._entries_json[1], walked.tree_json)
             staged.manifest, staged.texts = manifest, (self._entries_json[1], walked.tree_json)
-            staged.layout = layout
+            staged.layout, staged.steady = layout, walked.steady
         self._connect_agent()
         need = required_capacity(layout.data_len, raw_len, layout.n_chunks)
         self._settle()
@@ -702,6 +702,9 @@ class StagedSnapshot:
         self.manifest: Manifest | None = None
         self.texts: tuple[str, str] = ("", "")  # the manifest's entries and tree, as JSON
         self.layout: Layout | None = None  # one object while the state keeps its structure
+        # The state had the structure of the one this Checkpointer walked before it (the same
+        # containers, keys and tensor shapes; only scalars may differ).
+        self.steady = False
         self.dropped_by: str | None = None
         self.settled = threading.Event()  # committed or dropped
 

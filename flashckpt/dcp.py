@@ -20,14 +20,17 @@ before ``async_save`` returns (no staging copy of DCP's own), and DCP's backgrou
 commits it as the ``checkpoint_id``'s step. ``dcp.save`` plans every tensor with DCP's planner
 in the caller's thread first, as it does for any storage.
 
-Each rank's snapshot holds its state flattened as DCP's default planner flattens it, and a
-description of it (each tensor's global size and dtype, every other value an object):
-``Reader`` answers ``read_metadata`` with it, so DCP checks what it loads against what was
-saved as it does for files. The bytes themselves move the flashckpt way: each rank saves what
-it holds (DCP would have one rank write a replicated tensor for all; here every rank keeps its
-own copy in its own memory, so a restart at the same size reads nothing across the network),
-and a load fills the target state in place, resharding DTensor shards where the world size or
-the mesh changed, as ``Checkpointer.restore`` does.
+Each rank's snapshot holds a description of its state as DCP's default planner flattens it
+(each key's tensor global size and dtype, every other value an object): ``Reader`` answers
+``read_metadata`` with it, so DCP checks what it loads against what was saved as it does for
+files. ``dcp.save`` saves the state flattened so; ``dcp.async_save`` saves it as given, nested,
+and flattens it only to describe it where its structure changed since the last save (at
+thousands of tensors flattening costs a good part of the copy); ``Reader`` loads either. The
+bytes themselves move the flashckpt way: each rank saves what it holds (DCP would have one rank
+write a replicated tensor for all; here every rank keeps its own copy in its own memory, so a
+restart at the same size reads nothing across the network), and a load fills the target state
+in place, resharding DTensor shards where the world size or the mesh changed, as
+``Checkpointer.restore`` does.
 
 Values that are not tensors or plain scalars are pickled by flashckpt's save and refused at
 load unless the Checkpointer allows pickles (``allow_pickle``): what is read back is untrusted.
@@ -74,7 +77,8 @@ from .errors import CheckpointNotFoundError, ConfigError, ManifestError
 
 __all__ = ["Reader", "Writer", "describe", "flatten", "step_of"]
 
-STATE = "dcp"  # the saved state: {STATE: DCP's flattened state dict, METADATA: what it holds}
+STATE = "dcp"  # dcp.save's: {STATE: DCP's flattened state dict, METADATA: what it holds}
+TREE = "dcp_tree"  # dcp.async_save's: {TREE: the state dict as given, METADATA: the same}
 METADATA = "dcp_metadata"
 _CALLER_GRACE_S = 0.05
 _STAGED = "flashckpt.dcp.staged"  # the stand-in ``Writer.stage`` hands DCP: which snapshot
@@ -155,7 +159,7 @@ class Writer(StorageWriter, AsyncStager):
         for token in [t for t, s in self._staged.items() if s.dropped_by is not None]:
             del self._staged[token]  # an earlier save DCP gave up before writing
         token = next(self._tokens)
-        self._staged[token] = _stage(self.checkpointer, flatten(state_dict))
+        self._staged[token] = _stage_tree(self.checkpointer, state_dict)
         self._stager = threading.get_ident()
         self._returned.clear()
         return {_STAGED: token}
@@ -246,6 +250,27 @@ def _stage(checkpointer: Checkpointer, flat: dict[str, Any]) -> StagedSnapshot:
     return staged
 
 
+# What dcp.async_save last described through a Checkpointer: kept while the Checkpointer's
+# walk finds the state it stages of the same structure (``StagedSnapshot.steady``).
+_TREE_DESCRIBED: weakref.WeakKeyDictionary[Checkpointer, str] = weakref.WeakKeyDictionary()
+
+
+def _stage_tree(checkpointer: Checkpointer, state: dict[str, Any]) -> StagedSnapshot:
+    """Stage ``state`` as given, with the description of it flattened: made again only when
+    the state's structure changed since this Checkpointer's last save."""
+    text = last = _TREE_DESCRIBED.get(checkpointer)
+    if last is None:
+        text = describe(flatten(state))
+    staged = checkpointer.stage({TREE: state, METADATA: text})
+    if last is not None and not staged.steady:  # another structure: other keys or sizes?
+        text = describe(flatten(state))
+        if text != last:
+            staged.drop()
+            staged = checkpointer.stage({TREE: state, METADATA: text})
+    _TREE_DESCRIBED[checkpointer] = text
+    return staged
+
+
 def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     """``state`` flattened as DCP's default planner flattens it: mappings and the lists that
     hold a tensor or a mapping are walked, their keys joined by dots; tuples and every other
@@ -303,6 +328,7 @@ class Reader(StorageReader):
         self.checkpointer = checkpointer
         self.step = step
         self.loaded: int | None = None  # the step read_metadata found
+        self._nested = False  # the step holds its state as given (dcp.async_save's)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id is not None:
@@ -312,7 +338,7 @@ class Reader(StorageReader):
         # No ``**kwargs``: DCP would take that as asking again, rank by rank, after a failure.
         held = {METADATA: ""}
         found = self.checkpointer.restore(held, self.step, strict=False)
-        step = found[0] if isinstance(found, tuple) else found
+        step, left = found if isinstance(found, tuple) else (found, [])
         if step is None or not held[METADATA]:
             raise CheckpointNotFoundError(
                 f"job {self.checkpointer.job!r} holds no step saved through flashckpt.dcp"
@@ -320,6 +346,7 @@ class Reader(StorageReader):
                 + "; `flashckpt ls` shows what it holds"
             )
         self.loaded = step
+        self._nested = any(m.path == TREE and m.kind == "unexpected" for m in left)
         return Metadata(state_dict_metadata=_metadata(held[METADATA], step))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -340,8 +367,16 @@ class Reader(StorageReader):
                 f"DefaultLoadPlanner or a subclass of it ({type(planner).__name__} keeps none)"
             )
         wanted = {item.dest_index.fqn for item in plan.items}
-        into = {fqn: value for fqn, value in target.items() if fqn in wanted}
-        found = self.checkpointer.restore({STATE: into}, self.loaded, strict=False)
+        if self._nested:  # the nested state DCP's planner flattened, cut to what it plans
+            nested = getattr(planner, "original_state_dict", None)
+            paths = (getattr(planner, "mappings", None) or {}) if isinstance(nested, dict) else {}
+            keys = _Keys()
+            into = _part(nested if paths else target, paths, wanted, keys)
+            found = self.checkpointer.restore({TREE: into}, self.loaded, strict=False)
+        else:
+            paths, keys = {}, _Keys()
+            into = {fqn: value for fqn, value in target.items() if fqn in wanted}
+            found = self.checkpointer.restore({STATE: into}, self.loaded, strict=False)
         missing = [m for m in found[1] if m.kind != "unexpected"]
         if missing:
             m = missing[0]
@@ -352,8 +387,9 @@ class Reader(StorageReader):
             )
         for item in plan.items:  # objects: through DCP's planner, which places them
             if item.type == LoadItemType.BYTE_IO:
+                fqn = item.dest_index.fqn
                 raw = io.BytesIO()
-                torch.save(into[item.dest_index.fqn], raw)
+                torch.save(keys.get(into, paths.get(fqn, (fqn,))), raw)
                 raw.seek(0)
                 planner.load_bytes(item, raw)
         return _done(None)
@@ -361,6 +397,49 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return step_of(checkpoint_id) is not None
+
+
+class _Keys:
+    """The keys DCP's planner's paths name: a mapping's key as text (``"0"`` for an optimizer
+    state's ``0``), each mapping's keys indexed by their text on first need."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Mapping, dict[str, Any]]] = {}
+
+    def __call__(self, mapping: Mapping, key: Any) -> Any:
+        if key in mapping or type(key) is not str:
+            return key
+        known = self._known.get(id(mapping))
+        if known is None or known[0] is not mapping:
+            known = self._known[id(mapping)] = (mapping, {str(k): k for k in mapping})
+        return known[1].get(key, key)
+
+    def get(self, state: Any, path: tuple) -> Any:
+        for key in path:
+            state = state[self(state, key) if isinstance(state, Mapping) else key]
+        return state
+
+
+def _part(state: Mapping, paths: Mapping[str, tuple], wanted: set[str], keys: _Keys) -> dict:
+    """What of nested ``state`` holds the flattened keys ``wanted`` (``paths``: each key's path
+    of keys in ``state``, as DCP's planner recorded it; a key without one is a key of
+    ``state``): new mappings with only the keys on the way to a wanted value, which hold the
+    state's own values. A list on the way is taken whole, as the snapshot's tree holds it."""
+    part: dict[Any, Any] = {}
+    for fqn in wanted:
+        path = paths.get(fqn, (fqn,))
+        src, dst = state, part
+        for key in path[:-1]:
+            key = keys(src, key)
+            src = src[key]
+            if not isinstance(src, Mapping):
+                dst[key] = src
+                break
+            dst = dst.setdefault(key, {})
+        else:
+            key = keys(src, path[-1])
+            dst[key] = src[key]
+    return part
 
 
 def _size(item: Any) -> int:

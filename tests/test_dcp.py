@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ROOT, torchrun
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 import flashckpt
@@ -105,10 +107,8 @@ def test_a_damaged_description_is_refused_with_the_step_named():
 
 
 def test_the_writer_flattens_as_dcp_does():
-    """``async_save`` stages before DCP's planner runs: the Writer flattens the state itself,
-    key for key and value for value as DCP's default planner does."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
+    """``async_save`` stages before DCP's planner runs: the Writer describes the state by its
+    keys flattened as DCP's default planner flattens them, key for key and value for value."""
     state = {
         "model": {f"l{i}.w": torch.full((2,), float(i)) for i in range(5)},
         "optim": {"state": {0: {"exp_avg": torch.ones(2), "step": torch.tensor(3.0)}},
@@ -120,6 +120,59 @@ def test_the_writer_flattens_as_dcp_does():
     assert list(ours) == list(theirs) and all(ours[k] is theirs[k] for k in ours)
     with pytest.raises(ConfigError, match="two values flatten to the key 'a.b'"):
         fdcp.flatten({"a": {"b": 1}, "a.b": 2})
+
+
+def _nested_state(v: float) -> dict:
+    """A state as a training loop hands DCP: an optimizer's state under int keys, its groups in
+    a list, a list that holds tensors, a tuple and scalars."""
+    return {
+        "model": {"l0.w": torch.full((3,), v), "l1.w": torch.full((2, 2), v)},
+        "optim": {"state": {0: {"exp_avg": torch.full((3,), v), "step": torch.tensor(v)}},
+                  "param_groups": [{"lr": v, "params": [0]}]},
+        "lists": [torch.full((1,), v), {"x": torch.full((2,), v)}], "tup": (1, v), "n": int(v),
+    }  # fmt: skip
+
+
+def test_async_save_keeps_the_state_nested_and_describes_it_again_only_when_it_changes(
+    shm_dir, run_dir, tmp_path, monkeypatch
+):
+    """``dcp.async_save`` stages the state as given: it is flattened (for the description DCP
+    plans a load with) at the first save and where the structure changed, not at each save.
+    A load fills every kind of value of such a step, a step ``dcp.save`` flattened loads by
+    the same Reader, from a tier too, and a key the step lacks is left as it is under DCP's
+    ``allow_partial_load``."""
+    flattened = []
+    real = fdcp.flatten
+    monkeypatch.setattr(fdcp, "flatten", lambda state: flattened.append(1) or real(state))
+    tier = f"file://{tmp_path / 'tier'}"
+    with flashckpt.Checkpointer(tier, job="nested") as ck:
+        writer = fdcp.Writer(ck)
+        for step in (1, 2, 3):
+            dcp.async_save(_nested_state(float(step)), checkpoint_id=step,
+                           storage_writer=writer).result(timeout=60)  # fmt: skip
+        assert len(flattened) == 1
+        grown = {**_nested_state(4.0), "extra": torch.full((2,), 4.0)}
+        dcp.async_save(grown, checkpoint_id=4, storage_writer=writer).result(timeout=60)
+        assert len(flattened) == 2  # another structure: described again
+        dcp.save(_nested_state(5.0), checkpoint_id=5, storage_writer=fdcp.Writer(ck))
+        ck.wait(5, tier=tier, timeout=60)
+    shutil.rmtree(shm_dir)  # the node's memory lost: the steps come from the tier
+    with flashckpt.Checkpointer(tier, job="nested") as ck:
+        for step in (3, 5):
+            got, want = {**_nested_state(0.0), "extra": torch.zeros(2)}, _nested_state(step)
+            reader = fdcp.Reader(ck)
+            dcp.load(got, checkpoint_id=step, storage_reader=reader,
+                     planner=DefaultLoadPlanner(allow_partial_load=True))  # fmt: skip
+            assert reader._nested is (step == 3) and ck._restored_from.startswith("file")
+            assert got.pop("extra").tolist() == [0.0, 0.0]  # not in the step: left as it is
+            assert sorted(flatten_state_dict(got)[0]) == sorted(flatten_state_dict(want)[0])
+            for key, value in flatten_state_dict(want)[0].items():
+                mine = flatten_state_dict(got)[0][key]
+                assert (torch.equal(mine, value) if isinstance(value, torch.Tensor)
+                        else mine == value), (step, key)  # fmt: skip
+        got = {**_nested_state(0.0), "extra": torch.zeros(2)}
+        dcp.load(got, checkpoint_id=4, storage_reader=fdcp.Reader(ck))
+        assert got["extra"].tolist() == [4.0, 4.0] and got["lists"][1]["x"].tolist() == [4.0] * 2
 
 
 class Renaming(DefaultSavePlanner):

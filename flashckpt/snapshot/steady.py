@@ -288,6 +288,9 @@ class Walked:
     # Every tensor is known to be plain bytes (contiguous, no conjugate or negative bit): the
     # compiled check found them with the strides and dispatch keys of such tensors.
     plain: bool = False
+    # The compiled walk took the state: it has the structure of the state walked before it
+    # (the same containers, keys and tensor dtypes, shapes and shards; scalars may differ).
+    steady: bool = False
 
 
 class StateWalker:
@@ -326,7 +329,7 @@ class StateWalker:
                     assert self._layout is not None
                     plain = self._meta.guarded and self._meta.plain
                     return Walked(self._layout, tensors, self._tree, self._tree_json, statefuls,
-                                  plain)  # fmt: skip
+                                  plain, steady=True)  # fmt: skip
         return self._full(state, replicated, layout)
 
     def _fill(self, scalars: list) -> bool:
