@@ -81,6 +81,10 @@ STATE = "dcp"  # dcp.save's: {STATE: DCP's flattened state dict, METADATA: what 
 TREE = "dcp_tree"  # dcp.async_save's: {TREE: the state dict as given, METADATA: the same}
 METADATA = "dcp_metadata"
 _CALLER_GRACE_S = 0.05
+# After it, the caller's own way out: DCP's wrappers, and the state dict it passed freed (at
+# thousands of tensors a few ms, which the checksums the commit starts would stretch to the
+# checksums' length: each tensor freed takes the interpreter lock back from their thread).
+_CALLER_LEAVES_S = 0.02
 _STAGED = "flashckpt.dcp.staged"  # the stand-in ``Writer.stage`` hands DCP: which snapshot
 _TRAILING_STEP = re.compile(r"(\d+)$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -138,9 +142,9 @@ class Writer(StorageWriter, AsyncStager):
         if not self._returned.is_set() and threading.get_ident() != self._stager:
             # DCP's background save starts while the training thread is still in async_save:
             # it lets that thread return first, instead of taking the interpreter lock from it
-            # for a switch interval (5 ms) or two. At most 50 ms late, once a save.
+            # for a switch interval (5 ms) or two. At most 70 ms late, once a save.
             self._returned.wait(_CALLER_GRACE_S)
-            time.sleep(0.001)  # out of DCP's wrappers around async_save
+            time.sleep(_CALLER_LEAVES_S)
         self.step = _step(checkpoint_id, "Writer")
 
     @property
