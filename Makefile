@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashckpt-installed
+# No byte-compiling at install: of the ~16,000 modules installed, a process compiles the few it
+# imports, once, on first use (compiling all of them took a minute of CPU).
+PIP := $(VENV)/bin/pip install -q --no-compile
 # Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 
@@ -13,13 +16,13 @@ TORCH_PIP_ARGS ?=
 $(STAMP): pyproject.toml setup.py flashckpt/_verified_copy.c flashckpt/_crc32c.h
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first: a bare torch requirement would pull the CUDA build.
-	$(VENV)/bin/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(PIP) torch==2.13.0 $(TORCH_PIP_ARGS)
 	# Pin exactly the build just installed (e.g. 2.13.0+cpu), so resolving the rest never
 	# backtracks into another torch build.
-	$(VENV)/bin/pip install -q -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PIP) -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	# DeepSpeed ships as source: built against this torch, with no ops compiled (CPU runs).
-	$(VENV)/bin/pip install -q setuptools wheel
-	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q --no-build-isolation deepspeed==0.19.8 \
+	$(PIP) setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8 \
 		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
