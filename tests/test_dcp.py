@@ -151,9 +151,11 @@ def test_async_save_keeps_the_state_nested_and_describes_it_again_only_when_it_c
             dcp.async_save(_nested_state(float(step)), checkpoint_id=step,
                            storage_writer=writer).result(timeout=60)  # fmt: skip
         assert len(flattened) == 1
+        ck.wait(3, tier=tier, timeout=60)  # stored (an agent behind skips to the newest)
         grown = {**_nested_state(4.0), "extra": torch.full((2,), 4.0)}
         dcp.async_save(grown, checkpoint_id=4, storage_writer=writer).result(timeout=60)
         assert len(flattened) == 2  # another structure: described again
+        ck.wait(4, tier=tier, timeout=60)
         dcp.save(_nested_state(5.0), checkpoint_id=5, storage_writer=fdcp.Writer(ck))
         ck.wait(5, tier=tier, timeout=60)
     shutil.rmtree(shm_dir)  # the node's memory lost: the steps come from the tier
