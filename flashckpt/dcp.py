@@ -163,7 +163,7 @@ class Writer(StorageWriter, AsyncStager):
         for token in [t for t, s in self._staged.items() if s.dropped_by is not None]:
             del self._staged[token]  # an earlier save DCP gave up before writing
         token = next(self._tokens)
-        self._staged[token] = _stage_tree(self.checkpointer, state_dict)
+        self._staged[token] = _stage(self.checkpointer, TREE, state_dict)
         self._stager = threading.get_ident()
         self._returned.clear()
         return {_STAGED: token}
@@ -209,7 +209,7 @@ class Writer(StorageWriter, AsyncStager):
             )
         step, self.step = self.step, None  # the next save names its own
         if staged is None:  # dcp.save: the state as DCP's planner flattened it
-            staged = _stage(self.checkpointer, dict(state))
+            staged = _stage(self.checkpointer, STATE, dict(state))
         staged.commit(step)
         results = [WriteResult(index=item.index, size_in_bytes=_size(item), storage_data=None)
                    for item in plan.items]  # fmt: skip
@@ -230,49 +230,32 @@ class Writer(StorageWriter, AsyncStager):
         )
 
 
-# What a Checkpointer's saves through DCP last described: (the snapshot layout it was made
-# for, the flattened keys, the description). Unchanged from one save to the next, it is not
-# made again: at thousands of tensors that costs a good part of the copy.
-_DESCRIBED: weakref.WeakKeyDictionary[Checkpointer, tuple[Any, tuple[str, ...], str]] = (
-    weakref.WeakKeyDictionary()
-)
+# What saves through DCP last described, per Checkpointer and form (STATE or TREE): kept while
+# the Checkpointer's walk finds the state it stages of the same structure
+# (``StagedSnapshot.steady``). Made anew every save, at thousands of tensors it would cost a
+# good part of the copy.
+_DESCRIBED: weakref.WeakKeyDictionary[Checkpointer, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
-def _stage(checkpointer: Checkpointer, flat: dict[str, Any]) -> StagedSnapshot:
-    """Stage ``flat`` (a state DCP flattened) with its description, made only when the keys
-    or the snapshot's layout changed since the last save."""
-    keys = tuple(flat)
-    last = _DESCRIBED.get(checkpointer)
-    text = last[2] if last is not None and last[1] == keys else describe(flat)
-    staged = checkpointer.stage({STATE: flat, METADATA: text})
-    if last is not None and last[1] == keys and staged.layout is not last[0]:
-        fresh = describe(flat)  # the same keys, other tensors: sizes or dtypes changed
-        if fresh != text:
-            staged.drop()
-            text, staged = fresh, checkpointer.stage({STATE: flat, METADATA: fresh})
-    _DESCRIBED[checkpointer] = (staged.layout, keys, text)
-    return staged
-
-
-# What dcp.async_save last described through a Checkpointer: kept while the Checkpointer's
-# walk finds the state it stages of the same structure (``StagedSnapshot.steady``).
-_TREE_DESCRIBED: weakref.WeakKeyDictionary[Checkpointer, str] = weakref.WeakKeyDictionary()
-
-
-def _stage_tree(checkpointer: Checkpointer, state: dict[str, Any]) -> StagedSnapshot:
-    """Stage ``state`` as given, with the description of it flattened: made again only when
-    the state's structure changed since this Checkpointer's last save."""
-    text = last = _TREE_DESCRIBED.get(checkpointer)
+def _stage(checkpointer: Checkpointer, form: str, state: dict[str, Any]) -> StagedSnapshot:
+    """Stage ``state`` under ``form`` (STATE: flattened by DCP's planner; TREE: as given) with
+    its description, made again only when its structure changed since the last save."""
+    described = _DESCRIBED.setdefault(checkpointer, {})
+    text = last = described.get(form)
     if last is None:
-        text = describe(flatten(state))
-    staged = checkpointer.stage({TREE: state, METADATA: text})
+        text = _describe(form, state)
+    staged = checkpointer.stage({form: state, METADATA: text})
     if last is not None and not staged.steady:  # another structure: other keys or sizes?
-        text = describe(flatten(state))
+        text = _describe(form, state)
         if text != last:
             staged.drop()
-            staged = checkpointer.stage({TREE: state, METADATA: text})
-    _TREE_DESCRIBED[checkpointer] = text
+            staged = checkpointer.stage({form: state, METADATA: text})
+    described[form] = text
     return staged
+
+
+def _describe(form: str, state: dict[str, Any]) -> str:
+    return describe(state if form == STATE else flatten(state))
 
 
 def flatten(state: Mapping[str, Any]) -> dict[str, Any]:

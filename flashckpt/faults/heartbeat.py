@@ -251,14 +251,13 @@ def remove_dead(shm_dir: Path, job: str) -> list[int]:
     return gone
 
 
-def forget(shm_dir: Path, job: str, pids: list[int]) -> list[int]:
+def forget(shm_dir: Path, job: str, pids: list[int]) -> None:
     """Remove the pages of ``job``'s workers ``pids`` (about to be stopped on purpose, as a
-    preemption does) and return their ranks: a worker stopped so has not failed, and neither
-    this node's watch nor the job's controller is to act on its exit."""
-    ranks = [rank for rank, beat in pages(shm_dir, job) if beat.pid in pids]
-    for rank in ranks:
-        heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)
-    return ranks
+    preemption does): a worker stopped so has not failed, and neither this node's watch nor
+    the job's controller is to act on its exit."""
+    for rank, beat in pages(shm_dir, job):
+        if beat.pid in pids:
+            heartbeat_path(shm_dir, job, rank).unlink(missing_ok=True)
 
 
 def read(path: Path) -> Beat | None:
