@@ -10,20 +10,30 @@ STAMP := $(VENV)/.flashckpt-installed
 PIP := $(VENV)/bin/pip install -q --no-compile
 # Extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
+# The torch build installed (e.g. 2.13.0+cpu): pinned again wherever pip resolves, so that it
+# never backtracks into another torch build.
+TORCH_VERSION = $(PY) -c 'import torch; print(torch.__version__)'
 
 .PHONY: setup demo test lint proto bench clean
 
 $(STAMP): pyproject.toml setup.py flashckpt/_verified_copy.c flashckpt/_crc32c.h
 	$(PYTHON) -m venv $(VENV)
-	# The pinned CPU build first: a bare torch requirement would pull the CUDA build.
-	$(PIP) torch==2.13.0 $(TORCH_PIP_ARGS)
-	# Pin exactly the build just installed (e.g. 2.13.0+cpu), so resolving the rest never
-	# backtracks into another torch build.
-	$(PIP) -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
-	# DeepSpeed ships as source: built against this torch, with no ops compiled (CPU runs).
-	$(PIP) setuptools wheel
-	DS_BUILD_OPS=0 $(PIP) --no-build-isolation deepspeed==0.19.8 \
-		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	# The pinned CPU build first: a bare torch requirement would pull the CUDA build. numpy and
+	# the build tools come with it: DeepSpeed's build below imports them while the rest installs.
+	$(PIP) torch==2.13.0 numpy setuptools wheel $(TORCH_PIP_ARGS)
+	# DeepSpeed ships as source: built against this torch, as a wheel, while the rest installs.
+	# Its CPU shared-memory op is compiled into that wheel. Left to be built on first use, it
+	# is built under a lock file, and a process killed while holding that lock leaves every
+	# later DeepSpeed process on the machine waiting for it forever. CXXFLAGS: the flags DeepSpeed
+	# itself builds it with on first use (Python's own add -g, a quarter of the compile time).
+	rm -rf build/wheels; mkdir -p build/wheels
+	CXXFLAGS=-g0 DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(VENV)/bin/pip wheel -q --no-deps --no-cache-dir \
+		--no-build-isolation -w build/wheels deepspeed==0.19.8 >build/deepspeed-wheel.log 2>&1 & \
+	deepspeed=$$!; \
+	$(PIP) -e '.[dev]' "torch==$$($(TORCH_VERSION))"; rest=$$?; \
+	if ! wait $$deepspeed; then tail -n 30 build/deepspeed-wheel.log; exit 1; fi; \
+	exit $$rest
+	$(PIP) build/wheels/deepspeed-*.whl "torch==$$($(TORCH_VERSION))"
 	touch $(STAMP)
 
 setup: $(STAMP)
