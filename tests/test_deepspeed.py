@@ -17,6 +17,18 @@ def run(ranks: int, *args, env: dict) -> dict:
     return json.loads(args[-1].read_text())
 
 
+def test_the_cpu_allreduce_op_is_compiled_in_so_no_rank_builds_it_under_a_lock():
+    """`make setup` builds DeepSpeed's CPU shared-memory op into its wheel. Built on first use
+    instead, it is built under a lock file that a rank killed while holding it leaves behind,
+    and every later DeepSpeed process on the machine then waits for it forever."""
+    from deepspeed.git_version_info import installed_ops
+
+    assert installed_ops.get("deepspeed_shm_comm"), (
+        "this DeepSpeed builds its CPU shared-memory op on first use: "
+        "reinstall it with `make clean setup`, or with DS_BUILD_SHM_COMM=1"
+    )
+
+
 @pytest.fixture
 def ds_env(shm_dir, run_dir) -> dict:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "FLASHCKPT_JOB": "ds"}
